@@ -1,0 +1,18 @@
+"""mpidomain: MPI-backed, launcher-agnostic domain parallelism for NumPy, CuPy and PyTorch.
+
+Importing the package does not start MPI; MPI initialises at the first call
+that needs it, so a program can choose its GPU first.
+"""
+
+from .launcher import Launcher, detect_launcher
+from .manager import DomainParallelManager, get_domain_parallel_manager, initialize_domain_parallel
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DomainParallelManager",
+    "initialize_domain_parallel",
+    "get_domain_parallel_manager",
+    "Launcher",
+    "detect_launcher",
+]

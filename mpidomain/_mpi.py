@@ -1,0 +1,88 @@
+"""Lazy access to mpi4py and the collective error helpers every module uses.
+
+Importing this module does not start MPI: ``mpi()`` imports ``mpi4py.MPI``
+(which initialises the library) at the first call that needs it.
+"""
+
+import time
+
+_MPI = None
+
+
+def mpi():
+    """Return the ``mpi4py.MPI`` module, initialising MPI on first use."""
+    global _MPI
+    if _MPI is None:
+        from mpi4py import MPI
+
+        _MPI = MPI
+    return _MPI
+
+
+def is_active():
+    """Return True while MPI is initialised and not yet finalised."""
+    if _MPI is None:
+        return False
+    return _MPI.Is_initialized() and not _MPI.Is_finalized()
+
+
+def raise_on_all_ranks(comm, error):
+    """Raise on every rank of ``comm`` if ``error`` is set on any rank.
+
+    Collective: call on all ranks of ``comm``; pass ``None`` where the local
+    checks passed. Every rank raises the same exception type (that of the
+    lowest failing rank) with a message listing each failing rank's error, so
+    a mistake only one rank can see never leaves the others waiting.
+    """
+    local = None
+    if error is not None:
+        local = (type(error).__name__, str(error))
+    reports = comm.allgather(local)
+    failed = [(rank, report) for rank, report in enumerate(reports) if report]
+    if not failed:
+        return
+    kinds = {"ValueError": ValueError, "TypeError": TypeError, "NotImplementedError": NotImplementedError}
+    by_message = {}
+    for rank, (_, message) in failed:
+        by_message.setdefault(message, []).append(rank)
+    if error is not None and len(by_message) == 1 and len(failed) == comm.Get_size():
+        raise error
+    kind = kinds.get(failed[0][1][0], RuntimeError)
+    lines = [f"rank{'s' * (len(r) > 1)} {_ranges(r)}: {m}" for m, r in by_message.items()]
+    raise kind(
+        f"{len(failed)} of {comm.Get_size()} ranks rejected the call:\n  " + "\n  ".join(lines)
+    )
+
+
+def _ranges(ranks):
+    """Format sorted ranks compactly: [0, 1, 2, 5] -> '0-2,5'."""
+    spans = [[ranks[0], ranks[0]]]
+    for rank in ranks[1:]:
+        if rank == spans[-1][1] + 1:
+            spans[-1][1] = rank
+        else:
+            spans.append([rank, rank])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
+
+def check_same(comm, value, what, fix=""):
+    """Raise ValueError on every rank unless all ranks passed the same ``value``.
+
+    Collective: call on all ranks of ``comm``. The message lists what each
+    rank had; ``what`` names the argument and ``fix`` says how to mend it.
+    """
+    values = comm.allgather(value)
+    if all(v == values[0] for v in values):
+        return values[0]
+    listing = ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values))
+    raise ValueError(f"{what} must be the same on every rank, got {listing}. {fix}".rstrip())
+
+
+def wait_politely(request, interval=0.001):
+    """Complete ``request`` by polling with short sleeps instead of spinning.
+
+    Useful where a rank waits a long time for others (oversubscribed test
+    runs): blocking MPI calls busy-poll a core, a sleeping poll does not.
+    """
+    while not request.Test():
+        time.sleep(interval)
+

@@ -1,0 +1,72 @@
+"""Collective test harness: every test's verdict is agreed across MPI ranks.
+
+The same suite runs serially (``python -m pytest``) and under
+``mpiexec -n N python -m pytest``. After each test, the ranks compare
+outcomes: if any rank failed, every rank fails with the failing ranks'
+messages, so the next test never starts on some ranks while others wait in a
+collective. Ranks other than 0 stay quiet unless MPIDOMAIN_TEST_VERBOSE_RANKS=1.
+"""
+
+import os
+
+import pytest
+from mpi4py import MPI
+
+from mpidomain import manager as manager_module
+from mpidomain._mpi import wait_politely
+
+WORLD = MPI.COMM_WORLD
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionstart(session):
+    if WORLD.Get_rank() != 0 and os.environ.get("MPIDOMAIN_TEST_VERBOSE_RANKS") != "1":
+        reporter = session.config.pluginmanager.getplugin("terminalreporter")
+        if reporter is not None:
+            session.config.pluginmanager.unregister(reporter)
+
+
+def _summary(error):
+    if error is None:
+        return None
+    kind = "skip" if isinstance(error, pytest.skip.Exception) else "fail"
+    text = str(error).strip().splitlines()
+    return kind, f"{type(error).__name__}: {text[0] if text else ''}"[:500]
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    __tracebackhide__ = True
+    error = None
+    try:
+        result = yield
+    except BaseException as exc:  # the verdict must be shared before re-raising
+        error = exc
+    if WORLD.Get_size() > 1:
+        wait_politely(WORLD.Ibarrier())
+        verdicts = WORLD.allgather(_summary(error))
+        failed = [(r, v[1]) for r, v in enumerate(verdicts) if v and v[0] == "fail"]
+        skipped = [r for r, v in enumerate(verdicts) if v and v[0] == "skip"]
+        if failed and (error is None or _summary(error)[0] == "skip"):
+            detail = "\n".join(f"  rank {r}: {m}" for r, m in failed)
+            raise AssertionError(f"test failed on other ranks:\n{detail}")
+        if not failed and skipped and len(skipped) != len(verdicts):
+            raise AssertionError(f"test skipped on ranks {skipped} only; skip decisions must agree")
+    if error is not None:
+        raise error
+    return result
+
+
+@pytest.fixture
+def world():
+    """The world communicator the suite runs on."""
+    return WORLD
+
+
+@pytest.fixture
+def fresh_manager():
+    """Leave no global manager behind: close whatever a test initialised."""
+    yield
+    current = manager_module.get_domain_parallel_manager()
+    if current is not None:
+        current.close()

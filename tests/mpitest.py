@@ -1,0 +1,52 @@
+"""Helpers for tests: divisors of the world size and nested MPI jobs in subprocesses."""
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+# Launcher variables a nested mpiexec must not inherit from the job running the tests.
+_LAUNCHER_PREFIXES = ("PMI_", "PMIX_", "MPI_LOCAL", "HYDI_", "HYDRA_", "OMPI_", "PRTE_", "PALS_",
+                      "SLURM_", "ALPS_", "JSM_", "I_MPI_")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def divisors(n):
+    """Return the divisors of ``n``, smallest first."""
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def launcher_env(extra=None):
+    """Return the environment for a nested MPI job: ours minus launcher variables."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCHER_PREFIXES)}
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (REPO, env.get("PYTHONPATH")) if p
+    )
+    env.update(extra or {})
+    return env
+
+
+def mpiexec_path():
+    """Return the mpiexec that belongs to mpi4py's MPI (next to this Python first)."""
+    local = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    return local if os.path.exists(local) else shutil.which("mpiexec")
+
+
+def run_mpi(n, args, timeout=120, env=None):
+    """Run ``mpiexec -n n python args...`` in a fresh job; return the CompletedProcess.
+
+    Call it on one rank only (rank 0); the harness shares the verdict.
+    """
+    launcher = mpiexec_path()
+    if launcher is None:
+        pytest.fail("mpiexec not found: install the 'mpich' extra or a system MPI")
+    command = [launcher, "-n", str(n), sys.executable, *args]
+    return subprocess.run(command, env=launcher_env(env), capture_output=True, text=True, timeout=timeout)
+
+
+def run_python(args, timeout=60, env=None):
+    """Run ``python args...`` with no launcher (a one-rank MPI world)."""
+    command = [sys.executable, *args]
+    return subprocess.run(command, env=launcher_env(env), capture_output=True, text=True, timeout=timeout)

@@ -1,0 +1,135 @@
+"""The manager's layout, lifecycle and argument checks, at whatever world size runs the suite."""
+
+import pytest
+from mpi4py import MPI
+
+import mpidomain
+from mpidomain import DomainParallelManager, get_domain_parallel_manager, initialize_domain_parallel
+from mpitest import divisors
+
+
+@pytest.mark.parametrize("d_index", range(4))
+def test_layout_matches_seed(world, d_index):
+    sizes = divisors(world.size)
+    if d_index >= len(sizes):
+        pytest.skip(f"world of {world.size} has only {len(sizes)} divisors")
+    d = sizes[d_index]
+    rank = world.rank
+    with DomainParallelManager(world.size, d) as m:
+        assert (m.world_size, m.domain_parallel_size, m.data_parallel_size) == (world.size, d, world.size // d)
+        assert m.shard_dim == -2
+        assert m.domain_rank == rank % d and m.dp_rank == rank // d
+        assert m._domain_group_idx == rank // d and m._domain_rank == rank % d and m._dp_rank == rank // d
+        assert m.domain_world_size == d and m.dp_world_size == world.size // d
+        assert m.is_first_domain_rank == (rank % d == 0)
+        assert m.is_last_domain_rank == (rank % d == d - 1)
+        # Membership and order, as ranks of the parent communicator.
+        domain_members = m.domain_group.Get_group().Translate_ranks(None, world.Get_group())
+        dp_members = m.data_parallel_group.Get_group().Translate_ranks(None, world.Get_group())
+        assert list(domain_members) == m.domain_group_ranks() == list(range(rank - rank % d, rank - rank % d + d))
+        assert list(dp_members) == m.data_parallel_group_ranks() == list(range(rank % d, world.size, d))
+        assert m.domain_group.Get_rank() == m.domain_rank
+        assert m.data_parallel_group.Get_rank() == m.dp_rank
+        assert m.domain_comm is m.domain_group and m.data_parallel_comm is m.data_parallel_group
+        prev_rank, next_rank = m.neighbor_ranks()
+        assert prev_rank == (rank - 1 if rank % d else None)
+        assert next_rank == (rank + 1 if rank % d != d - 1 else None)
+        assert m.comm is world and m.rank == rank
+
+
+def test_private_communicators(world):
+    with DomainParallelManager(world.size, 1) as m:
+        # Our traffic runs on a duplicate: it can never match the user's messages.
+        assert MPI.Comm.Compare(m._comm, world) == MPI.CONGRUENT
+        assert m.domain_group.Get_name().startswith("mpidomain.domain")
+
+
+def test_node_layout(world):
+    with DomainParallelManager(world.size, 1) as m:
+        node = world.Split_type(MPI.COMM_TYPE_SHARED)
+        assert (m.local_rank, m.local_size) == (node.rank, node.size)
+        roots = sorted(set(world.allgather(node.allreduce(world.rank, op=MPI.MIN))))
+        assert m.num_nodes == len(roots) and 0 <= m.node_index < m.num_nodes
+        node.Free()
+        launcher = mpidomain.detect_launcher()
+        if launcher.local_rank is not None and launcher.name.startswith(("MPICH", "Open MPI", "Slurm")):
+            assert launcher.local_rank == m.local_rank
+
+
+def test_singleton_lifecycle(world, fresh_manager):
+    first = initialize_domain_parallel(world.size, 1, abort_on_error=False)
+    assert get_domain_parallel_manager() is first
+    second = initialize_domain_parallel(world.size, world.size, shard_dim=-1, abort_on_error=False)
+    assert get_domain_parallel_manager() is second and second.shard_dim == -1
+    assert first.closed and first._domain_comm == MPI.COMM_NULL and first._comm == MPI.COMM_NULL
+    assert first.domain_group is None and first.data_parallel_group is None
+    second.close()
+    second.close()  # idempotent
+    assert get_domain_parallel_manager() is None
+
+
+def test_context_manager_frees(world):
+    with DomainParallelManager(world.size, 1) as m:
+        pass
+    assert m.closed and m._dp_comm == MPI.COMM_NULL and m._node_comm == MPI.COMM_NULL
+
+
+def test_subcommunicator_parent(world):
+    # A manager over half the world: ranks are those of the parent communicator.
+    color = world.rank % 2
+    half = world.Split(color, world.rank)
+    with DomainParallelManager(half.size, half.size, comm=half) as m:
+        assert m.comm is half and m.rank == half.rank
+        assert m.domain_group.size == half.size
+    half.Free()
+
+
+@pytest.mark.parametrize(
+    "args, kind, words",
+    [
+        (("world", 0), ValueError, "domain_parallel_size must be >= 1, got 0"),
+        (("world", -2), ValueError, ">= 1"),
+        (("world", "2"), TypeError, "domain_parallel_size must be an int, got '2'"),
+        (("world", 2.0), TypeError, "must be an int"),
+        (("world", True), TypeError, "must be an int"),
+        (("world+1", 1), ValueError, "but the communicator has"),
+        (("world", "world+1"), ValueError, "does not divide world_size"),
+        ((None, 1), TypeError, "world_size must be an int"),
+    ],
+)
+def test_bad_arguments_raise_everywhere(world, args, kind, words):
+    values = {"world": world.size, "world+1": world.size + 1}
+    world_size, d = (values.get(a, a) if isinstance(a, str) and a.startswith("world") else a for a in args)
+    with pytest.raises(kind, match=words):
+        DomainParallelManager(world_size, d)
+
+
+def test_bad_shard_dim_and_comm(world):
+    with pytest.raises(TypeError, match="shard_dim must be an int"):
+        DomainParallelManager(world.size, 1, shard_dim="lat")
+    with pytest.raises(TypeError, match="comm must be an mpi4py intracommunicator"):
+        DomainParallelManager(world.size, 1, comm="world")
+
+
+def test_mistake_on_one_rank_raises_on_all(world):
+    last = world.size - 1
+    d = 0 if world.rank == last else 1
+    with pytest.raises(ValueError) as info:
+        DomainParallelManager(world.size, d)
+    assert ">= 1" in str(info.value)
+    if world.size > 1:
+        assert f"rank {last}" in str(info.value)
+
+
+def test_disagreeing_arguments_raise_on_all(world):
+    if world.size == 1:
+        pytest.skip("needs two ranks to disagree")
+    shard_dim = -1 if world.rank == 0 else -2
+    with pytest.raises(ValueError, match="must be the same on every rank") as info:
+        DomainParallelManager(world.size, 1, shard_dim=shard_dim)
+    assert "rank 0: (" in str(info.value) and "rank 1: (" in str(info.value)
+
+
+def test_torch_bridge_not_yet(world):
+    with pytest.raises(NotImplementedError, match="torch_bridge=True"):
+        DomainParallelManager(world.size, 1, torch_bridge=True)

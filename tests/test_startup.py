@@ -1,0 +1,82 @@
+"""Fresh MPI jobs: import without MPI, the seed's 8-rank layout, info, and abort on error."""
+
+import re
+import sys
+
+from mpitest import run_mpi, run_python
+
+
+def test_import_starts_nothing(world):
+    if world.rank == 0:
+        code = "import sys, mpidomain; assert 'mpi4py.MPI' not in sys.modules; assert 'torch' not in sys.modules"
+        result = run_python(["-c", code])
+        assert result.returncode == 0, result.stderr
+
+
+def test_seed_layout_with_eight_ranks(world):
+    if world.rank == 0:
+        result = run_mpi(8, ["-m", "mpidomain", "info", "--domain-parallel-size", "2"], timeout=180)
+        assert result.returncode == 0, result.stderr
+        out = result.stdout
+        assert "world size        : 8" in out
+        assert "domain groups     : [0,1] [2,3] [4,5] [6,7]" in out
+        assert "data-parallel grps: [0,2,4,6] [1,3,5,7]" in out
+        assert "MPICH Hydra" in out
+        rows = [line.split() for line in out.splitlines() if re.match(r"\s+\d+\s", line)]
+        assert len(rows) == 8
+        for row in rows:
+            rank = int(row[0])
+            domain_group, domain_rank, dp_group, dp_rank, prev, nxt = row[4:10]
+            assert (int(domain_group), int(domain_rank)) == (rank // 2, rank % 2)
+            assert (int(dp_group), int(dp_rank)) == (rank % 2, rank // 2)
+            assert prev == ("-" if rank % 2 == 0 else str(rank - 1))
+            assert nxt == ("-" if rank % 2 == 1 else str(rank + 1))
+
+
+def test_info_reports_errors_once(world):
+    if world.rank == 0:
+        result = run_mpi(4, ["-m", "mpidomain", "info", "-D", "3"], timeout=120)
+        assert result.returncode == 2
+        assert result.stderr.count("does not divide world_size=4") == 1, result.stderr
+
+
+def test_info_in_process(world, capsys, fresh_manager):
+    from mpidomain.__main__ import main
+
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    if world.rank == 0:
+        assert f"world size        : {world.size}" in out
+    else:
+        assert out == ""
+
+
+ABORT_SCRIPT = """
+import time
+from mpi4py import MPI
+import mpidomain
+m = mpidomain.initialize_domain_parallel(MPI.COMM_WORLD.size, 1)
+if m.rank == 1:
+    raise ZeroDivisionError("rank one fails")
+MPI.COMM_WORLD.Barrier()  # the other ranks would wait here forever
+"""
+
+
+def test_uncaught_exception_aborts_every_rank(world):
+    if world.rank == 0:
+        result = run_mpi(3, ["-c", ABORT_SCRIPT], timeout=60)
+        assert result.returncode != 0
+        assert "[rank 1] ZeroDivisionError: rank one fails" in result.stderr, result.stderr
+        assert "aborting all ranks" in result.stderr
+
+
+def test_abort_hook_opt_out(world):
+    if world.rank == 0:
+        code = ("import sys, mpidomain; mpidomain.initialize_domain_parallel(1, 1); "
+                "print(sys.excepthook is sys.__excepthook__)")
+        for env, expected in (({}, "False"), ({"MPIDOMAIN_ABORT_ON_ERROR": "0"}, "True")):
+            result = run_python(["-c", code], env=env)
+            assert result.stdout.strip() == expected, (env, result.stderr)
+        code = ("import sys, mpidomain; mpidomain.initialize_domain_parallel(1, 1, abort_on_error=False); "
+                "print(sys.excepthook is sys.__excepthook__)")
+        assert run_python(["-c", code]).stdout.strip() == "True"
