@@ -1,0 +1,97 @@
+#!/usr/bin/env bash
+# Bring up a one-node Slurm cluster on this machine (Debian/Ubuntu, as root), for CI.
+#
+# Installs slurm-wlm and munge if missing, writes /etc/slurm/slurm.conf for this host
+# (SlurmdParameters=config_overrides lets the node declare more CPUs than the machine has,
+# so `srun -n 4` fits on a 2-core runner; MpiDefault=pmi2; no cgroups: process tracking by
+# /proc, no task plugin), starts munged, slurmctld and slurmd, and waits until the node is
+# idle. Idempotent: on a machine where the cluster is already up it only checks the node.
+#
+# Environment: MPIDOMAIN_SLURM_CPUS (CPUs the node declares, default 8).
+set -euo pipefail
+
+cpus="${MPIDOMAIN_SLURM_CPUS:-8}"
+host="$(hostname -s)"
+conf=/etc/slurm/slurm.conf
+
+if ! command -v slurmctld >/dev/null || ! command -v munged >/dev/null; then
+  echo "ci_slurm_up: installing slurm-wlm and munge"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -q >/dev/null
+  apt-get install -y -q --no-install-recommends slurm-wlm munge >/dev/null
+fi
+
+mkdir -p /etc/slurm /var/spool/slurmctld /var/spool/slurmd /var/log/slurm /run/munge
+wanted="$(cat <<EOF
+# Written by mpidomain's scripts/ci_slurm_up.sh: one node, for CI.
+ClusterName=mpidomain-ci
+SlurmctldHost=$host
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+CredType=cred/munge
+MpiDefault=pmi2
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+SchedulerType=sched/backfill
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+SlurmdParameters=config_overrides
+ReturnToService=2
+StateSaveLocation=/var/spool/slurmctld
+SlurmdSpoolDir=/var/spool/slurmd
+SlurmctldPidFile=/run/slurmctld.pid
+SlurmdPidFile=/run/slurmd.pid
+SlurmctldLogFile=/var/log/slurm/slurmctld.log
+SlurmdLogFile=/var/log/slurm/slurmd.log
+SlurmctldTimeout=30
+SlurmdTimeout=30
+InactiveLimit=0
+KillWait=5
+MinJobAge=60
+NodeName=$host CPUs=$cpus Boards=1 SocketsPerBoard=1 CoresPerSocket=$cpus ThreadsPerCore=1 RealMemory=1000 State=UNKNOWN
+PartitionName=debug Nodes=ALL Default=YES MaxTime=60 State=UP
+EOF
+)"
+changed=0
+if [ ! -f "$conf" ] || [ "$(cat "$conf")" != "$wanted" ]; then
+  printf '%s\n' "$wanted" > "$conf"
+  changed=1
+fi
+
+running() { [ -f "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
+
+chown munge:munge /run/munge
+if ! running /run/munge/munged.pid; then
+  echo "ci_slurm_up: starting munged"
+  runuser -u munge -- /usr/sbin/munged
+fi
+if ! running /run/slurmctld.pid; then
+  echo "ci_slurm_up: starting slurmctld"
+  /usr/sbin/slurmctld -i
+elif [ "$changed" = 1 ]; then
+  scontrol reconfigure
+fi
+if ! running /run/slurmd.pid; then
+  echo "ci_slurm_up: starting slurmd"
+  /usr/sbin/slurmd
+fi
+
+# Wait for the node to register, and resume it if an earlier run left it down or drained.
+for _ in $(seq 60); do
+  state="$(sinfo -h -n "$host" -o %T 2>/dev/null || true)"
+  case "$state" in
+    idle|mixed|allocated) break ;;
+    down*|drain*|fail*) scontrol update NodeName="$host" State=RESUME 2>/dev/null || true ;;
+  esac
+  sleep 1
+done
+case "$state" in
+  idle|mixed|allocated) echo "ci_slurm_up: node $host is $state with $cpus CPUs" ;;
+  *)
+    echo "ci_slurm_up: node $host did not become idle (state '${state}')" >&2
+    tail -n 20 /var/log/slurm/slurmctld.log /var/log/slurm/slurmd.log >&2 || true
+    exit 1 ;;
+esac
