@@ -43,10 +43,40 @@ def run_mpi(n, args, timeout=120, env=None):
     if launcher is None:
         pytest.fail("mpiexec not found: install the 'mpich' extra or a system MPI")
     command = [launcher, "-n", str(n), sys.executable, *args]
-    return subprocess.run(command, env=launcher_env(env), capture_output=True, text=True, timeout=timeout)
+    extra = dict(env or {})
+    if open_mpi():  # more ranks than cores, and as root in CI
+        command.insert(1, "--oversubscribe")
+        extra.update(open_mpi_env())
+    return subprocess.run(command, env=launcher_env(extra), capture_output=True, text=True, timeout=timeout)
+
+
+def open_mpi():
+    """Return True if mpi4py's MPI (so mpiexec_path()'s launcher) is Open MPI."""
+    from mpi4py import MPI
+
+    return MPI.Get_library_version().startswith("Open MPI")
 
 
 def run_python(args, timeout=60, env=None):
     """Run ``python args...`` with no launcher (a one-rank MPI world)."""
     command = [sys.executable, *args]
     return subprocess.run(command, env=launcher_env(env), capture_output=True, text=True, timeout=timeout)
+
+
+# Launchers beyond the suite's own mpiexec, where CI provides them (.ci/run).
+SLURM = os.environ.get("MPIDOMAIN_TEST_SLURM") == "1"
+OPENMPI_PYTHON = os.environ.get("MPIDOMAIN_TEST_OPENMPI_PYTHON", "")
+needs_slurm = pytest.mark.skipif(
+    not SLURM, reason="needs a Slurm cluster: set MPIDOMAIN_TEST_SLURM=1 (scripts/ci_slurm_up.sh starts one)"
+)
+needs_openmpi = pytest.mark.skipif(
+    not OPENMPI_PYTHON,
+    reason="needs Open MPI: set MPIDOMAIN_TEST_OPENMPI_PYTHON to a python whose mpi4py loads Open MPI",
+)
+
+
+def open_mpi_env():
+    """Open MPI's mpirun refuses to run as root unless told twice."""
+    if os.geteuid() == 0:
+        return {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+    return {}

@@ -17,17 +17,8 @@ import pytest
 from mpi4py import MPI
 
 from mpidomain.launcher import check_launcher_world, detect_launcher
-from mpitest import REPO, launcher_env
+from mpitest import OPENMPI_PYTHON, REPO, launcher_env, needs_openmpi, needs_slurm, open_mpi_env
 
-SLURM = os.environ.get("MPIDOMAIN_TEST_SLURM") == "1"
-OPENMPI_PYTHON = os.environ.get("MPIDOMAIN_TEST_OPENMPI_PYTHON", "")
-needs_slurm = pytest.mark.skipif(
-    not SLURM, reason="needs a Slurm cluster: set MPIDOMAIN_TEST_SLURM=1 (scripts/ci_slurm_up.sh starts one)"
-)
-needs_openmpi = pytest.mark.skipif(
-    not OPENMPI_PYTHON,
-    reason="needs Open MPI: set MPIDOMAIN_TEST_OPENMPI_PYTHON to a python whose mpi4py loads Open MPI",
-)
 INIT = "import mpidomain; from mpi4py import MPI; mpidomain.initialize_domain_parallel(MPI.COMM_WORLD.size, 1)"
 MPICH_HERE = MPI.Get_library_version().startswith("MPICH")
 
@@ -36,13 +27,6 @@ def run(command, timeout=120, env=None):
     """Run a launcher command in a fresh job (no inherited launcher variables), from the repository."""
     return subprocess.run(command, env=launcher_env(env), capture_output=True, text=True,
                           timeout=timeout, cwd=REPO)
-
-
-def open_mpi_env():
-    """Open MPI's mpirun refuses to run as root unless told twice."""
-    if os.geteuid() == 0:
-        return {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
-    return {}
 
 
 def mpirun():
