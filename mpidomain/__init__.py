@@ -4,6 +4,7 @@ Importing the package does not start MPI; MPI initialises at the first call
 that needs it, so a program can choose its GPU first.
 """
 
+from .binding import DeviceBinding, bind_device
 from .launcher import Launcher, detect_launcher
 from .manager import DomainParallelManager, get_domain_parallel_manager, initialize_domain_parallel
 
@@ -15,4 +16,6 @@ __all__ = [
     "get_domain_parallel_manager",
     "Launcher",
     "detect_launcher",
+    "bind_device",
+    "DeviceBinding",
 ]

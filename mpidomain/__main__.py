@@ -3,7 +3,7 @@
 import argparse
 import sys
 
-from . import info
+from . import binding, info
 from ._mpi import mpi
 from .manager import initialize_domain_parallel
 
@@ -16,13 +16,34 @@ def _parser():
         "--domain-parallel-size", "-D", type=int, default=None,
         help="ranks per domain group (default: all ranks in one group)",
     )
+    show.add_argument(
+        "--bind-device", type=_device_policy, default="auto", metavar="auto|none|0,1,...",
+        help="GPU per rank: node-local rank modulo the GPU count (auto), leave it (none), "
+             "or one device index per node-local rank",
+    )
     return parser
+
+
+def _device_policy(text):
+    """Parse --bind-device: 'auto', 'none' or comma-separated device indices."""
+    if text in ("auto", "none"):
+        return text
+    try:
+        return [int(i) for i in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected auto, none or device indices such as 0,1,2,3, got {text!r}")
+
+
+def _manager(args, size):
+    """The global manager for a command; the GPU libraries are imported first so that it binds."""
+    binding._find_devices(import_libraries=True)
+    return initialize_domain_parallel(size, args.domain_parallel_size or size, bind_device=args.bind_device)
 
 
 def _info(args):
     world = mpi().COMM_WORLD
     size = world.Get_size()
-    manager = initialize_domain_parallel(size, args.domain_parallel_size or size)
+    manager = _manager(args, size)
     rows = info.gather_layout(manager)
     if manager.rank == 0:
         print(info.format_layout(manager, rows), flush=True)

@@ -27,6 +27,12 @@ def cuda_visible():
     return "no"
 
 
+def _device(binding):
+    if binding is None or binding.device is None:
+        return "-"
+    return binding.describe().replace(", shared with ", ",shared:").replace(" ", "")
+
+
 def _row(manager):
     prev_rank, next_rank = manager.neighbor_ranks()
     return {
@@ -41,6 +47,7 @@ def _row(manager):
         "prev": "-" if prev_rank is None else prev_rank,
         "next": "-" if next_rank is None else next_rank,
         "cuda": cuda_visible(),
+        "device": _device(manager.device_binding),
         "launcher rank": manager.launcher.rank,
     }
 

@@ -13,7 +13,7 @@ domain-parallel size. With 8 ranks and ``domain_parallel_size=2``::
 import logging
 import numbers
 
-from . import abort
+from . import abort, binding
 from ._mpi import is_active, mpi, raise_on_all_ranks
 from .launcher import check_launcher_world, detect_launcher
 
@@ -67,9 +67,13 @@ class DomainParallelManager:
     :param shard_dim: Spatial dimension to shard; -2 is latitude (H) in (B, C, H, W).
     :param comm: Parent mpi4py communicator; it is duplicated, never used directly.
     :param torch_bridge: Make ``domain_group``/``data_parallel_group`` torch groups.
+    :param bind_device: GPU per rank when torch or cupy (already imported) sees CUDA:
+        ``"auto"`` (node-local rank modulo the device count), a list (one device index per
+        node-local rank) or ``"none"`` (leave it). See :func:`mpidomain.bind_device`.
     """
 
-    def __init__(self, world_size, domain_parallel_size, shard_dim=-2, *, comm=None, torch_bridge=False):
+    def __init__(self, world_size, domain_parallel_size, shard_dim=-2, *, comm=None, torch_bridge=False,
+                 bind_device="auto"):
         MPI = mpi()
         check_launcher_world(MPI.COMM_WORLD.Get_size(), library=MPI.Get_library_version().splitlines()[0])
         if comm is None:
@@ -79,7 +83,8 @@ class DomainParallelManager:
                 f"comm must be an mpi4py intracommunicator such as MPI.COMM_WORLD, got {type(comm).__name__}"
             )
         raise_on_all_ranks(comm, _argument_error(world_size, domain_parallel_size, shard_dim, comm.Get_size()))
-        raise_on_all_ranks(comm, _disagreement(comm, (world_size, domain_parallel_size, shard_dim, bool(torch_bridge))))
+        raise_on_all_ranks(comm, _disagreement(
+            comm, (world_size, domain_parallel_size, shard_dim, bool(torch_bridge), _plain(bind_device))))
         if torch_bridge:
             raise NotImplementedError(
                 "torch_bridge=True (torch.distributed groups mirroring the MPI communicators) "
@@ -114,6 +119,10 @@ class DomainParallelManager:
         self._domain_group = self._domain_comm
         self._dp_group = self._dp_comm
         self._closed = False
+        self.device_binding = None
+        if bind_device != "none":
+            self.device_binding = binding._bind(bind_device, self._comm, self.local_rank, self.local_size,
+                                                self._node_index, binding._find_devices(import_libraries=False))
         logger.info(
             "domain parallel: rank %d, domain group %d (domain rank %d of %d), data-parallel rank %d of %d",
             rank, self._domain_group_idx, self._domain_rank, d, self._dp_rank, self.data_parallel_size,
@@ -254,6 +263,11 @@ class DomainParallelManager:
         )
 
 
+def _plain(policy):
+    """A device policy as comparable across ranks (tuples and lists alike)."""
+    return list(policy) if isinstance(policy, tuple) else policy
+
+
 def _disagreement(comm, arguments):
     """Return a ValueError if ranks passed different arguments, else None."""
     everyone = comm.allgather(arguments)
@@ -261,7 +275,8 @@ def _disagreement(comm, arguments):
         return None
     listing = ", ".join(f"rank {r}: {a}" for r, a in enumerate(everyone))
     return ValueError(
-        "(world_size, domain_parallel_size, shard_dim, torch_bridge) must be the same on every rank, got "
+        "(world_size, domain_parallel_size, shard_dim, torch_bridge, bind_device) must be the same on every "
+        "rank, got "
         f"{listing}; pass the same values everywhere"
     )
 
@@ -278,7 +293,7 @@ def initialize_domain_parallel(world_size, domain_parallel_size, shard_dim=-2, *
     :param world_size: Number of ranks in the communicator.
     :param domain_parallel_size: Ranks per domain group.
     :param shard_dim: Spatial dimension to shard (-2 for latitude in BCHW).
-    :param options: ``comm``, ``torch_bridge``: passed to the manager.
+    :param options: ``comm``, ``torch_bridge``, ``bind_device``: passed to the manager.
     """
     global _MANAGER
     manager = DomainParallelManager(world_size, domain_parallel_size, shard_dim, **options)
