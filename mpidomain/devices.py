@@ -28,6 +28,7 @@ __all__ = [
     "empty",
     "assign",
     "byte_view",
+    "from_numpy",
     "CudaAwareDecision",
     "cuda_aware_decision",
 ]
@@ -186,6 +187,18 @@ def assign(dst, src):
     else:
         dst[...] = src
     return dst
+
+
+def from_numpy(array, like):
+    """Return host NumPy ``array`` as an array of ``like``'s kind sharing its memory (CPU Torch or NumPy).
+
+    The inverse of :func:`mpi_buffer` for host arrays; bfloat16 comes back from its uint16 bytes.
+    """
+    if array_kind(like) != "torch":
+        return array
+    torch = sys.modules["torch"]
+    tensor = torch.from_numpy(array)
+    return tensor.view(torch.bfloat16) if like.dtype == torch.bfloat16 else tensor
 
 
 def byte_view(x):

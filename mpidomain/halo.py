@@ -6,9 +6,11 @@ neighbour. A :class:`HaloPlan` is built once per (shape, dtype, device,
 halo_width, dim, periodic), PETSc-DMDA style: it validates the inputs across
 the domain group, finds the neighbours, and prepares the transfers:
 
-- host memory (NumPy, CPU Torch): MPI subarray datatypes, so MPI reads the
-  edge rows from the padded array and writes the ghost rows straight into
-  it, with no packing copy; persistent requests for the in-place path;
+- host memory (NumPy, CPU Torch): the edge rows are packed into contiguous
+  buffers and the ghost rows received straight into the padded array through
+  MPI subarray datatypes (the fastest mix measured by scripts/bench_halo.py:
+  sending from a datatype makes MPI pack far more slowly than one copy does),
+  over persistent requests;
 - device memory (CuPy, CUDA Torch): the halos are packed into contiguous
   device buffers (derived datatypes on device memory are slow in most MPI
   libraries) and handed to MPI directly when it is CUDA-aware, or staged
@@ -23,6 +25,7 @@ pads whatever D is, so the code after the exchange never branches on D.
 """
 
 import numbers
+import sys
 import weakref
 from collections import OrderedDict
 
@@ -131,7 +134,7 @@ def _choose_transport(x):
     if _TRANSPORT_OVERRIDE is not None:
         return _TRANSPORT_OVERRIDE
     if not devices.is_device_array(x):
-        return "datatypes"
+        return "host"
     return "packed" if devices.cuda_aware_decision().enabled else "staged"
 
 
@@ -225,24 +228,23 @@ class HaloPlan:
         MPI = mpi()
         self._comm = comm.Dup()  # halo traffic never meets any other message
         self._datatypes = {}
-        self._requests = []
-        self._bound = None  # (pointer, array) the datatype path's persistent requests point into
+        self._recv_requests = []
+        self._bound = None  # (pointer, array) the host path's receive requests point into
         self._in_flight = None
         self._adjoint_buffers = None
+        self._spare = None  # the last padded host array pad() returned, reused once the program drops it
         self._freed = False
-        if self.transport == "datatypes":
-            for _, _, rows in self._sends + self._recvs:
+        self._send_buffers = [self._buffer(x) for _ in self._sends]
+        self._send_requests = [self._comm.Send_init(self._mpi_message(MPI, buf), dest=peer, tag=tag)
+                               for (peer, tag, _), buf in zip(self._sends, self._send_buffers)]
+        if self.transport == "host":
+            for _, _, rows in self._recvs:
                 self._datatypes[rows[-1].start] = self._subarray(MPI, rows[-1].start)
         else:
-            self._send_buffers = [self._buffer(x) for _ in self._sends]
             self._recv_buffers = [self._buffer(x) for _ in self._recvs]
-            self._requests = [
-                self._comm.Recv_init(self._mpi_message(MPI, buf), source=peer, tag=tag)
-                for (peer, tag, _), buf in zip(self._recvs, self._recv_buffers)
-            ] + [
-                self._comm.Send_init(self._mpi_message(MPI, buf), dest=peer, tag=tag)
-                for (peer, tag, _), buf in zip(self._sends, self._send_buffers)
-            ]
+            self._recv_requests = [self._comm.Recv_init(self._mpi_message(MPI, buf), source=peer, tag=tag)
+                                   for (peer, tag, _), buf in zip(self._recvs, self._recv_buffers)]
+        self._requests = self._recv_requests + self._send_requests
         _LIVE.add(self)
         if manager not in _WATCHED:
             _WATCHED.add(manager)
@@ -263,6 +265,8 @@ class HaloPlan:
         return MPI.BYTE.Create_subarray([outer, rows, inner], [outer, self.halo_width, inner], [0, start, 0]).Commit()
 
     def _buffer(self, like):
+        if self.transport == "host":
+            return np.empty(self._halo_shape(), devices.numpy_dtype(like))
         if self.transport == "staged":
             return devices.pinned_empty(self._halo_shape(), devices.numpy_dtype(like), like=like)
         return devices.empty(self._halo_shape(), like=like)
@@ -320,9 +324,11 @@ class HaloPlan:
             raise RuntimeError("start() called twice without wait(); call plan.wait() first")
         self._check_array(padded, self.padded_shape, "padded")
         working = padded.detach() if self.kind == "torch" else padded
-        if self.transport == "datatypes":
+        if self.transport == "host":
             view = self._host_view(working)
             self._fill_local(view)
+            for (_, _, rows), buffer in zip(self._sends, self._send_buffers):
+                np.copyto(buffer, view[rows])
             if self._bound is None or self._bound[0] != view.ctypes.data:
                 self._bind(view)
         else:
@@ -339,7 +345,7 @@ class HaloPlan:
         (padded, working), self._in_flight = self._in_flight, None
         if self._requests:
             mpi().Request.Waitall(self._requests)
-        if self.transport != "datatypes":
+        if self.transport != "host":
             self._unpack(working)
         return padded
 
@@ -361,36 +367,54 @@ class HaloPlan:
         self._check_usable()
         self._check_array(x, self.shape, "x")
         if out is None:
-            out = devices.empty(self.padded_shape, like=x)
+            out = self._new_padded()
         else:
             self._check_array(out, self.padded_shape, "out")
-        if self.transport != "datatypes":
+        if self.transport != "host":
             devices.assign(out[self._interior], x)
             return self.exchange(out)
         if self._in_flight is not None:
             raise RuntimeError("pad() while an exchange is in flight; call plan.wait() first")
-        view = self._host_view(out, "out")
-        view[self._interior] = devices.mpi_buffer(x)
-        self._fill_local(view)
+        view, source = self._host_view(out, "out"), devices.mpi_buffer(x)
         if self._sends:
-            # A new array each call: plain nonblocking calls on the cached datatypes cost
-            # less than binding persistent requests to it (scripts/bench_halo.py measures both).
+            # Send x's edge rows first, so they travel while the interior is copied. A new
+            # array each call: a plain receive on the cached datatype costs less than binding
+            # a persistent one to it (scripts/bench_halo.py measures both).
+            MPI = mpi()
+            for (_, _, rows), buffer in zip(self._sends, self._send_buffers):
+                np.copyto(buffer, source[self._shifted(rows)])
             comm, types = self._comm, self._datatypes
             requests = [comm.Irecv([view, 1, types[rows[-1].start]], source=peer, tag=tag)
                         for peer, tag, rows in self._recvs]
-            requests += [comm.Isend([view, 1, types[rows[-1].start]], dest=peer, tag=tag)
-                         for peer, tag, rows in self._sends]
-            mpi().Request.Waitall(requests)
+            MPI.Prequest.Startall(self._send_requests)
+            view[self._interior] = source
+            self._fill_local(view)
+            MPI.Request.Waitall(requests + self._send_requests)
+        else:
+            view[self._interior] = source
+            self._fill_local(view)
         return out
 
+    def _new_padded(self):
+        """Return a padded array for :meth:`pad`: on the host, last call's if the program dropped it.
+
+        Reusing it spares the page faults of a fresh allocation (most of the cost of
+        padding a large shard); only the plan holding it is proof that nobody else does.
+        """
+        if self._device:
+            return devices.empty(self.padded_shape, like=self._like)
+        spare = self._spare
+        if spare is None or sys.getrefcount(spare) > 3:  # held by self._spare, `spare` and the call only
+            spare = self._spare = np.empty(self.padded_shape, devices.numpy_dtype(self._like))
+        return devices.from_numpy(spare, like=self._like)
+
     def _bind(self, view):
-        """Point the persistent requests at host array ``view`` (the datatype path)."""
-        self._free_requests()
+        """Point the persistent receive requests at host array ``view`` (the host path)."""
+        self._free_requests(self._recv_requests)
         comm, types = self._comm, self._datatypes
-        self._requests = [comm.Recv_init([view, 1, types[rows[-1].start]], source=peer, tag=tag)
-                          for peer, tag, rows in self._recvs]
-        self._requests += [comm.Send_init([view, 1, types[rows[-1].start]], dest=peer, tag=tag)
-                           for peer, tag, rows in self._sends]
+        self._recv_requests = [comm.Recv_init([view, 1, types[rows[-1].start]], source=peer, tag=tag)
+                               for peer, tag, rows in self._recvs]
+        self._requests = self._recv_requests + self._send_requests
         self._bound = (view.ctypes.data, view)
 
     def _pack(self, padded):
@@ -441,9 +465,10 @@ class HaloPlan:
         MPI = mpi()
         comm = self._comm
         if self._adjoint_buffers is None:
-            self._adjoint_buffers = [self._buffer(grad) for _ in self._sends]
+            self._adjoint_buffers = [self._buffer(grad) if self.transport == "staged"
+                                     else devices.empty(self._halo_shape(), like=grad) for _ in self._sends]
         # Ghost rows go back where they came from: the reverse of each forward message, same tag.
-        if self.transport == "datatypes":
+        if self.transport == "host":
             view = self._host_view(grad, "grad")
             outgoing = [[view, 1, self._datatypes[rows[-1].start]] for _, _, rows in self._recvs]
         else:
@@ -482,11 +507,10 @@ class HaloPlan:
             "communicators": int(self._comm != MPI.COMM_NULL),
         }
 
-    def _free_requests(self):
-        for request in self._requests:
+    def _free_requests(self, requests):
+        for request in requests:
             if request != mpi().REQUEST_NULL:
                 request.Free()
-        self._requests = []
         self._bound = None
 
     def free(self):
@@ -502,11 +526,12 @@ class HaloPlan:
         self._freed = True
         _LIVE.discard(self)
         if is_active():
-            self._free_requests()
+            self._free_requests(self._requests)
             for datatype in self._datatypes.values():
                 datatype.Free()
             self._comm.Free()
-        self._send_buffers = self._recv_buffers = self._adjoint_buffers = self._like = None
+        self._requests, self._recv_requests, self._send_requests = [], [], []
+        self._send_buffers = self._recv_buffers = self._adjoint_buffers = self._like = self._spare = None
 
     @property
     def freed(self):
