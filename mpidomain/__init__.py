@@ -5,6 +5,7 @@ that needs it, so a program can choose its GPU first.
 """
 
 from .binding import DeviceBinding, bind_device
+from .halo import HaloPlan, halo_exchange
 from .launcher import Launcher, detect_launcher
 from .manager import DomainParallelManager, get_domain_parallel_manager, initialize_domain_parallel
 
@@ -14,6 +15,8 @@ __all__ = [
     "DomainParallelManager",
     "initialize_domain_parallel",
     "get_domain_parallel_manager",
+    "HaloPlan",
+    "halo_exchange",
     "Launcher",
     "detect_launcher",
     "bind_device",
