@@ -6,6 +6,8 @@ that needs it, so a program can choose its GPU first.
 
 from .launcher import Launcher, detect_launcher
 from .manager import DomainParallelManager, get_domain_parallel_manager, initialize_domain_parallel
+from .reduce import allreduce
+from .sharding import balanced_split, gather_tensor, scatter_tensor, shard_batch, shard_tensor
 
 __version__ = "0.1.0"
 
@@ -15,4 +17,10 @@ __all__ = [
     "get_domain_parallel_manager",
     "Launcher",
     "detect_launcher",
+    "shard_tensor",
+    "gather_tensor",
+    "scatter_tensor",
+    "shard_batch",
+    "balanced_split",
+    "allreduce",
 ]
