@@ -8,6 +8,8 @@ from .binding import DeviceBinding, bind_device
 from .halo import HaloPlan, halo_exchange
 from .launcher import Launcher, detect_launcher
 from .manager import DomainParallelManager, get_domain_parallel_manager, initialize_domain_parallel
+from .reduce import allreduce
+from .sharding import balanced_split, gather_tensor, scatter_tensor, shard_batch, shard_tensor
 
 __version__ = "0.1.0"
 
@@ -21,4 +23,10 @@ __all__ = [
     "detect_launcher",
     "bind_device",
     "DeviceBinding",
+    "shard_tensor",
+    "gather_tensor",
+    "scatter_tensor",
+    "shard_batch",
+    "balanced_split",
+    "allreduce",
 ]
