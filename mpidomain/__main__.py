@@ -1,26 +1,44 @@
-"""Command line: ``python -m mpidomain info`` under any launcher."""
+"""Command line: ``python -m mpidomain info|check`` under any launcher.
+
+``info`` prints every rank's place in the domain-parallel mesh; ``check`` tests a
+cluster end to end (halo exchange, shard/gather, link bandwidth, devices) and exits
+0 with a one-line verdict, or 1 naming what failed on which ranks.
+"""
 
 import argparse
 import sys
+import warnings
 
-from . import binding, info
-from ._mpi import mpi
+from . import binding, check, info
+from ._mpi import _ranges, mpi
 from .manager import initialize_domain_parallel
 
 
-def _parser():
-    parser = argparse.ArgumentParser(prog="python -m mpidomain", description=__doc__)
-    commands = parser.add_subparsers(dest="command", required=True)
-    show = commands.add_parser("info", help="print every rank's place in the domain-parallel mesh")
-    show.add_argument(
+def _common(parser):
+    parser.add_argument(
         "--domain-parallel-size", "-D", type=int, default=None,
         help="ranks per domain group (default: all ranks in one group)",
     )
-    show.add_argument(
+    parser.add_argument(
         "--bind-device", type=_device_policy, default="auto", metavar="auto|none|0,1,...",
         help="GPU per rank: node-local rank modulo the GPU count (auto), leave it (none), "
              "or one device index per node-local rank",
     )
+
+
+def _parser():
+    parser = argparse.ArgumentParser(prog="python -m mpidomain", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    _common(commands.add_parser("info", help="print every rank's place in the domain-parallel mesh"))
+    test = commands.add_parser("check", help="check halo exchange, shard/gather, link bandwidth and devices")
+    _common(test)
+    test.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                      help="where the test arrays live (default: cuda if every rank has a GPU, else cpu)")
+    test.add_argument("--shape", type=_shape, default=None, metavar="B,C,H,W",
+                      help="global array shape, sharded along H (default: 1,32,16*D,1440)")
+    test.add_argument("--halo-width", type=int, default=2, help="ghost rows on each side (default: 2)")
+    test.add_argument("--repeats", type=int, default=20, help="round trips per bandwidth measurement (default: 20)")
     return parser
 
 
@@ -34,6 +52,17 @@ def _device_policy(text):
         raise argparse.ArgumentTypeError(f"expected auto, none or device indices such as 0,1,2,3, got {text!r}")
 
 
+def _shape(text):
+    """Parse --shape: comma-separated positive extents, at least two."""
+    try:
+        shape = tuple(int(n) for n in text.split(","))
+    except ValueError:
+        shape = ()
+    if len(shape) < 2 or min(shape) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive extents such as 1,32,64,1440, got {text!r}")
+    return shape
+
+
 def _manager(args, size):
     """The global manager for a command; the GPU libraries are imported first so that it binds."""
     binding._find_devices(import_libraries=True)
@@ -41,9 +70,7 @@ def _manager(args, size):
 
 
 def _info(args):
-    world = mpi().COMM_WORLD
-    size = world.Get_size()
-    manager = _manager(args, size)
+    manager = _manager(args, mpi().COMM_WORLD.Get_size())
     rows = info.gather_layout(manager)
     if manager.rank == 0:
         print(info.format_layout(manager, rows), flush=True)
@@ -51,11 +78,39 @@ def _info(args):
     return 0
 
 
+def _check(args):
+    with warnings.catch_warnings():  # check reports GPU sharing itself
+        warnings.simplefilter("ignore", RuntimeWarning)
+        manager = _manager(args, mpi().COMM_WORLD.Get_size())
+    d = manager.domain_parallel_size
+    shape = args.shape or (1, 32, 16 * d, 1440)
+    if args.halo_width < 1 or args.repeats < 1:
+        raise ValueError(f"--halo-width and --repeats must be >= 1, got {args.halo_width} and {args.repeats}")
+    if shape[-2] // d < args.halo_width:
+        raise ValueError(
+            f"--shape {','.join(map(str, shape))}: {shape[-2]} rows over D={d} ranks leaves some with "
+            f"{shape[-2] // d}, fewer than --halo-width {args.halo_width}; use at least {d * args.halo_width} rows"
+        )
+    has_gpu = manager._comm.allgather(manager.device_binding is not None and manager.device_binding.device is not None)
+    device = args.device
+    if device == "auto":
+        device = "cuda" if all(has_gpu) else "cpu"
+    elif device == "cuda" and not all(has_gpu):
+        missing = [rank for rank, ok in enumerate(has_gpu) if not ok]
+        raise ValueError(
+            f"--device cuda, but ranks {_ranges(missing)} have no CUDA device bound (torch or cupy with a GPU, "
+            "and --bind-device not none); use --device cpu, or check the nodes' GPUs and CUDA_VISIBLE_DEVICES"
+        )
+    status = check.run_check(manager, device, shape, args.halo_width, args.repeats)
+    manager.close()
+    return status
+
+
 def main(argv=None):
     """Run the command line; return the process exit status."""
     args = _parser().parse_args(argv)
     try:
-        return {"info": _info}[args.command](args)
+        return {"info": _info, "check": _check}[args.command](args)
     except (ValueError, TypeError, RuntimeError) as error:
         # Raised on every rank alike (mpidomain's collective checks): report once.
         if mpi().COMM_WORLD.Get_rank() == 0:

@@ -1,0 +1,248 @@
+"""Check a cluster end to end: ``python -m mpidomain check`` under the job's launcher.
+
+Steps, each agreed across ranks: the layout (as ``info``); halo exchange against
+a reference cut from the global array (zeros at the domain edges, then periodic);
+a shard/gather round trip; the bandwidth of every neighbour pair's halo messages,
+naming the slowest link; the CUDA-aware decision and each rank's device. Rank 0
+prints progress and, last, one verdict line.
+"""
+
+import math
+import socket
+import statistics
+
+import numpy as np
+
+from . import devices, info
+from ._mpi import _ranges, mpi
+from .halo import halo_exchange
+from .sharding import balanced_split, gather_tensor, shard_tensor
+
+__all__ = ["run_check"]
+
+STEPS = 5
+
+
+class _Report:
+    """Rank 0's printer and every rank's record of what failed, agreed step by step."""
+
+    def __init__(self, manager):
+        self.manager = manager
+        self.comm = manager._comm
+        self.failures = []  # (step, message, ranks)
+        self.notes = []
+
+    def say(self, text=""):
+        if self.comm.Get_rank() == 0:
+            print(text, flush=True)
+
+    def agree(self, step, error):
+        """Gather each rank's error (None if fine) for ``step``; print and record the failures."""
+        errors = self.comm.allgather(error)
+        by_message = {}
+        for rank, message in enumerate(errors):
+            if message is not None:
+                by_message.setdefault(message, []).append(rank)
+        for message, ranks in by_message.items():
+            self.failures.append((step, message, ranks))
+            self.say(f"  FAILED on rank{'s' * (len(ranks) > 1)} {_ranges(ranks)}: {message}")
+        return not by_message
+
+
+def _to_numpy(x):
+    kind = devices.array_kind(x)
+    if kind == "torch":
+        return x.detach().cpu().numpy()
+    if kind == "cupy":
+        return x.get()
+    return x
+
+
+def _on_device(array, device):
+    """Return host ``array`` as an array on ``device``: NumPy for cpu, torch (else cupy) for cuda."""
+    if device == "cpu":
+        return array
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.from_numpy(array).to(torch.device("cuda", torch.cuda.current_device()))
+    except ImportError:
+        pass
+    import cupy
+
+    return cupy.asarray(array)
+
+
+def _global_array(shape, group):
+    """The global field every rank of domain group ``group`` builds alike: exact in float32."""
+    values = np.arange(math.prod(shape), dtype=np.int64).reshape(shape) % 1009
+    return (values + 0.5 * group).astype(np.float32)
+
+
+def _expected_halo(full, start, count, width, periodic):
+    """The padded shard ``halo_exchange`` must return, cut from the global array (dim -2)."""
+    if periodic:
+        padded = np.concatenate([full[..., full.shape[-2] - width:, :], full, full[..., :width, :]], axis=-2)
+    else:
+        zeros = np.zeros(full.shape[:-2] + (width, full.shape[-1]), dtype=full.dtype)
+        padded = np.concatenate([zeros, full, zeros], axis=-2)
+    return padded[..., start:start + count + 2 * width, :]
+
+
+def _mismatch(got, expected, what):
+    got = _to_numpy(got)
+    if got.shape != expected.shape:
+        return f"{what}: shape {got.shape}, expected {expected.shape}"
+    wrong = np.argwhere(got != expected)
+    if len(wrong):
+        return f"{what}: {len(wrong)} of {expected.size} values differ from the global reference, first at {tuple(wrong[0])}"
+    return None
+
+
+def _check_halo(manager, full, device, width):
+    counts, offsets = balanced_split(full.shape[-2], manager.domain_parallel_size)
+    start, count = offsets[manager.domain_rank], counts[manager.domain_rank]
+    shard = shard_tensor(_on_device(full, device), dim=-2, manager=manager, allow_uneven=True)
+    errors = []
+    for periodic in (False, True):  # both exchanges on every rank, whatever the first found
+        padded = halo_exchange(shard, width, -2, periodic=periodic, manager=manager)
+        errors.append(_mismatch(padded, _expected_halo(full, start, count, width, periodic),
+                                f"halo_exchange(periodic={periodic})"))
+    return next((error for error in errors if error), None)
+
+
+def _check_round_trip(manager, full, device):
+    shard = shard_tensor(_on_device(full, device), dim=-2, manager=manager, allow_uneven=True)
+    return _mismatch(gather_tensor(shard, dim=-2, manager=manager), full, "gather_tensor(shard_tensor(x))")
+
+
+def _exchange_times(comm, partner, send, recv, repeats, staged):
+    """Seconds for ``repeats`` round trips of ``send``/``recv`` with ``partner`` (after one warm-up)."""
+    MPI = mpi()
+    host_send = devices.pinned_empty(tuple(send.shape), devices.numpy_dtype(send), like=send) if staged else None
+    host_recv = devices.pinned_empty(tuple(recv.shape), devices.numpy_dtype(recv), like=recv) if staged else None
+
+    def once():
+        if staged:
+            devices.copy_to_host(send, host_send)
+            comm.Sendrecv(host_send, partner, 0, host_recv, partner, 0)
+            devices.copy_to_device(host_recv, recv)
+            devices.synchronize(recv)
+        else:
+            devices.synchronize(send)
+            comm.Sendrecv(devices.mpi_buffer(send), partner, 0, devices.mpi_buffer(recv), partner, 0)
+
+    once()
+    start = MPI.Wtime()
+    for _ in range(repeats):
+        once()
+    return MPI.Wtime() - start
+
+
+def _measure_links(manager, message_shape, device, repeats, staged):
+    """Return [(global rank a, global rank b, GB/s)] for this domain group's neighbour pairs.
+
+    Link k joins domain ranks k and k+1; even links run together, then odd ones, so
+    no rank is in two measurements at once. GB/s counts both directions' bytes.
+    """
+    comm = manager.domain_comm
+    rank, size = comm.Get_rank(), comm.Get_size()
+    first = manager.rank - manager.domain_rank
+    send = _on_device(np.ones(message_shape, dtype=np.float32), device)
+    recv = _on_device(np.zeros(message_shape, dtype=np.float32), device)
+    nbytes = math.prod(message_shape) * 4
+    measured = []
+    for parity in (0, 1):
+        partner = rank + 1 if rank % 2 == parity else rank - 1
+        comm.Barrier()
+        if 0 <= partner < size:
+            seconds = _exchange_times(comm, partner, send, recv, repeats, staged)
+            if rank < partner:
+                measured.append((first + rank, first + partner, 2 * nbytes * repeats / seconds / 1e9))
+    return measured
+
+
+def run_check(manager, device, shape, width, repeats):
+    """Run every step; print on rank 0; return the exit status (0: passed, 1: failed).
+
+    Collective over ``manager.comm``: call on all ranks with the same arguments.
+    """
+    report = _Report(manager)
+    world = manager.world_size
+    binding = manager.device_binding
+    report.say(f"mpidomain check: {world} ranks, D={manager.domain_parallel_size}, device {device}, "
+               f"global shape {tuple(shape)} float32 (sharded along dim -2), halo width {width}")
+
+    report.say(f"[1/{STEPS}] layout")
+    rows = info.gather_layout(manager)
+    if manager.rank == 0:
+        print(info.format_layout(manager, rows), flush=True)
+
+    report.say(f"[2/{STEPS}] halo exchange against the global reference (zero edges, then periodic)")
+    full = _global_array(tuple(shape), manager._domain_group_idx)
+    if report.agree("halo exchange", _guarded(_check_halo, manager, full, device, width)):
+        report.say("  ok: every rank's padded shard equals the global array's rows")
+
+    report.say(f"[3/{STEPS}] shard/gather round trip")
+    if report.agree("shard/gather round trip", _guarded(_check_round_trip, manager, full, device)):
+        report.say("  ok: gather_tensor(shard_tensor(x)) == x on every rank")
+
+    decision = devices.cuda_aware_decision()
+    staged = device == "cuda" and not decision.enabled
+    message_shape = tuple(shape[:-2]) + (width, shape[-1])
+    kib = math.prod(message_shape) * 4 / 1024
+    report.say(f"[4/{STEPS}] halo bandwidth per neighbour pair ({kib:.1f} KiB messages, {repeats} round trips"
+               f"{', staged through host' if staged else ''})")
+    links = [link for part in manager._comm.allgather(
+        _measure_links(manager, message_shape, device, repeats, staged) if manager.domain_parallel_size > 1 else [])
+        for link in part]
+    hosts = manager._comm.allgather(socket.gethostname())
+    slowest = None
+    if not links:
+        report.say("  no neighbour pairs (D=1): nothing to measure")
+    else:
+        links.sort()
+        fastest = max(bw for *_, bw in links)
+        for a, b, bw in links:
+            report.say(f"  rank {a} <-> rank {b} ({hosts[a]} <-> {hosts[b]}): {bw:.3f} GB/s")
+        a, b, bw = slowest = min(links, key=lambda link: link[2])
+        median = statistics.median(l[2] for l in links)
+        report.say(f"  slowest link: rank {a} <-> rank {b} ({hosts[a]} <-> {hosts[b]}), {bw:.3f} GB/s, "
+                   f"{bw / fastest:.2f} of the fastest, {bw / median:.2f} of the median")
+
+    report.say(f"[5/{STEPS}] CUDA-aware decision and devices")
+    decisions = manager._comm.allgather(str(decision))
+    if len(set(decisions)) == 1:
+        report.say(f"  device buffers: {decisions[0]}")
+    else:
+        report.agree("CUDA-aware decision", f"ranks decide differently; this one: {decision}")
+    bound = manager._comm.allgather(binding.describe() if binding is not None else "not bound (bind_device='none')")
+    for rank, text in enumerate(bound):
+        report.say(f"  rank {rank} ({hosts[rank]}): {text}")
+    if device == "cuda":
+        report.agree("device binding", None if binding is not None and binding.device is not None
+                     else "--device cuda but this rank has no CUDA device bound")
+    shared = sorted({r for r, b in enumerate(manager._comm.allgather(binding.shared_with if binding else ())) if b})
+    if shared:
+        report.notes.append(f"ranks {_ranges(shared)} share a GPU")
+
+    summary = f"{world} ranks on {manager.num_nodes} node(s), D={manager.domain_parallel_size}, {device}"
+    if slowest is not None:
+        summary += f"; slowest link rank {slowest[0]} <-> {slowest[1]} {slowest[2]:.3f} GB/s"
+    if report.notes:
+        summary += f" (warning: {'; '.join(report.notes)})"
+    if not report.failures:
+        report.say(f"check passed: halo exchange and shard/gather exact; {summary}")
+        return 0
+    failed = "; ".join(f"{step} on rank{'s' * (len(r) > 1)} {_ranges(r)}: {m}" for step, m, r in report.failures)
+    report.say(f"check FAILED: {failed}; {summary}")
+    return 1
+
+
+def _guarded(step, *args):
+    """Run a step; return its error text (mpidomain's errors, raised on every rank alike) or None."""
+    try:
+        return step(*args)
+    except (ValueError, TypeError, RuntimeError) as error:
+        return f"{type(error).__name__}: {error}"

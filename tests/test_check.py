@@ -1,0 +1,110 @@
+"""``python -m mpidomain check``: passes on a sound job, names the step and ranks when one fails."""
+
+import re
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from mpidomain import check
+from mpidomain.__main__ import main
+from mpitest import divisors, run_mpi
+
+
+def run(world, capsys, *args):
+    status = main(["check", *args])
+    out = capsys.readouterr().out
+    return status, out if world.rank == 0 else ""
+
+
+@pytest.mark.parametrize("d_index", range(3))
+def test_check_passes(world, capsys, fresh_manager, d_index):
+    sizes = divisors(world.size)
+    if d_index >= len(sizes):
+        pytest.skip(f"world of {world.size} has only {len(sizes)} divisors")
+    d = sizes[d_index]
+    status, out = run(world, capsys, "-D", str(d), "--shape", f"2,3,{4 * d + 1},10", "--repeats", "2")
+    assert status == 0
+    if world.rank == 0:
+        assert [line[:5] for line in out.splitlines() if re.match(r"\[\d/5\]", line)] == [f"[{i}/5]" for i in range(1, 6)]
+        links = re.findall(r"^  rank (\d+) <-> rank (\d+) \(", out, re.M)
+        expected = [(str(g * d + k), str(g * d + k + 1)) for g in range(world.size // d) for k in range(d - 1)]
+        assert sorted(links) == sorted(expected), out
+        assert ("slowest link: rank" in out) == (d > 1)
+        verdict = out.strip().splitlines()[-1]
+        assert verdict.startswith("check passed: halo exchange and shard/gather exact;"), verdict
+        assert f"{world.size} ranks on 1 node(s), D={d}, cpu" in verdict
+
+
+def test_check_names_the_failing_step_and_ranks(world, capsys, fresh_manager, monkeypatch):
+    # The last rank's reference is off by one row's worth: its halo check must fail, and only its.
+    last = world.size - 1
+    reference = check._expected_halo
+
+    def skewed(*args):
+        expected = reference(*args)
+        return expected + 1 if world.rank == last else expected
+
+    monkeypatch.setattr(check, "_expected_halo", skewed)
+    status, out = run(world, capsys, "--shape", f"1,2,{4 * world.size},8", "--repeats", "1")
+    assert status == 1
+    if world.rank == 0:
+        assert f"FAILED on rank {last}: halo_exchange(periodic=False):" in out
+        verdict = out.strip().splitlines()[-1]
+        assert verdict.startswith(f"check FAILED: halo exchange on rank {last}: halo_exchange(periodic=False): ")
+        assert "differ from the global reference" in verdict
+
+
+def test_check_rejects_too_few_rows(world, capsys, fresh_manager):
+    status = main(["check", "--shape", f"1,1,{world.size},4", "--halo-width", "2"])
+    err = capsys.readouterr().err
+    assert status == 2
+    if world.rank == 0:
+        assert f"{world.size} rows over D={world.size} ranks leaves some with 1, fewer than --halo-width 2" in err
+
+
+def cuda_everywhere(world):
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(world.allreduce(int(torch.cuda.is_available()), op=MPI.MIN))
+
+
+def test_check_device_cuda_needs_a_gpu_on_every_rank(world, capsys, fresh_manager):
+    if cuda_everywhere(world):
+        pytest.skip("every rank has a GPU here")
+    status = main(["check", "--device", "cuda", "--repeats", "1"])
+    err = capsys.readouterr().err
+    assert status == 2
+    if world.rank == 0:
+        assert "--device cuda, but ranks 0" in err and "have no CUDA device bound" in err
+
+
+def test_check_on_gpus(world, capsys, fresh_manager):
+    if not cuda_everywhere(world):
+        pytest.skip("needs torch with CUDA on every rank")
+    status, out = run(world, capsys, "--device", "cuda", "--repeats", "5")
+    assert status == 0
+    if world.rank == 0:
+        assert out.strip().splitlines()[-1].startswith("check passed:")
+        assert len(re.findall(r"^  rank \d+ \(.*\): cuda:\d", out, re.M)) == world.size
+
+
+def test_check_in_a_fresh_four_rank_job(world):
+    if world.rank == 0:
+        result = run_mpi(4, ["-m", "mpidomain", "check", "-D", "2", "--repeats", "3"], timeout=240)
+        assert result.returncode == 0, result.stdout + result.stderr
+        lines = result.stdout.strip().splitlines()
+        assert lines[0].startswith("mpidomain check: 4 ranks, D=2, device cpu, global shape (1, 32, 32, 1440)")
+        assert "domain groups     : [0,1] [2,3]" in result.stdout
+        assert re.search(r"slowest link: rank (0 <-> rank 1|2 <-> rank 3) \(", result.stdout)
+        assert lines[-1].startswith("check passed:"), result.stdout
+
+
+def test_expected_halo_is_cut_from_the_global_array():
+    full = np.arange(6 * 2, dtype=np.float32).reshape(6, 2)
+    zero = check._expected_halo(full, 2, 2, 1, periodic=False)
+    assert zero.tolist() == [[2, 3], [4, 5], [6, 7], [8, 9]]
+    assert check._expected_halo(full, 0, 2, 1, periodic=False).tolist() == [[0, 0], [0, 1], [2, 3], [4, 5]]
+    assert check._expected_halo(full, 4, 2, 1, periodic=True).tolist() == [[6, 7], [8, 9], [10, 11], [0, 1]]
