@@ -121,6 +121,17 @@ def test_hydra_starting_open_mpi_python_is_caught(world):
         assert "mpi4py's MPI: Open MPI" in result.stderr and "MPI4PY_LIBMPI" in result.stderr
 
 
+@needs_slurm
+@needs_openmpi
+def test_srun_pmi2_starting_open_mpi_python_is_caught(world):
+    # Open MPI 5 speaks PMIx only: under srun's pmi2 plugin each task is a world of one.
+    if world.rank == 0:
+        result = run(["srun", "-n", "2", "--mpi=pmi2", OPENMPI_PYTHON, "-c", INIT])
+        assert result.returncode != 0
+        assert result.stderr.count("RuntimeError: Slurm srun declared 2 processes") == 2, result.stderr
+        assert "srun started the tasks with --mpi=pmi2" in result.stderr and "srun --mpi=pmix" in result.stderr
+
+
 @needs_openmpi
 def test_open_mpi_mpirun_starting_mpich_python_fails_at_start(world):
     # The reverse mismatch never reaches mpidomain: MPICH finds Open MPI's PMIx server and
