@@ -220,9 +220,6 @@ def run_check(manager, device, shape, width, repeats):
     bound = manager._comm.allgather(binding.describe() if binding is not None else "not bound (bind_device='none')")
     for rank, text in enumerate(bound):
         report.say(f"  rank {rank} ({hosts[rank]}): {text}")
-    if device == "cuda":
-        report.agree("device binding", None if binding is not None and binding.device is not None
-                     else "--device cuda but this rank has no CUDA device bound")
     shared = sorted({r for r, b in enumerate(manager._comm.allgather(binding.shared_with if binding else ())) if b})
     if shared:
         report.notes.append(f"ranks {_ranges(shared)} share a GPU")

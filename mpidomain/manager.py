@@ -85,6 +85,7 @@ class DomainParallelManager:
         raise_on_all_ranks(comm, _argument_error(world_size, domain_parallel_size, shard_dim, comm.Get_size()))
         raise_on_all_ranks(comm, _disagreement(
             comm, (world_size, domain_parallel_size, shard_dim, bool(torch_bridge), _plain(bind_device))))
+        raise_on_all_ranks(comm, binding._policy_error(bind_device))
         if torch_bridge:
             raise NotImplementedError(
                 "torch_bridge=True (torch.distributed groups mirroring the MPI communicators) "

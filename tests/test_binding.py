@@ -177,3 +177,11 @@ def test_real_cuda_binding(world):
     assert torch.cuda.current_device() == result.device
     assert result.identity.startswith(("GPU-", "PCI "))
     node.Free()
+
+
+def test_manager_rejects_a_bad_policy_before_building(world, fresh_manager):
+    with pytest.raises(ValueError, match="bind_device must be 'auto', 'none' or a list"):
+        mpidomain.DomainParallelManager(world.size, 1, bind_device="gpu0")
+    if world.size > 1:
+        with pytest.raises(ValueError, match="bind_device\\) must be the same on every rank"):
+            mpidomain.DomainParallelManager(world.size, 1, bind_device="auto" if world.rank else "none")
