@@ -10,6 +10,8 @@ import pytest
 # Launcher variables a nested mpiexec must not inherit from the job running the tests.
 _LAUNCHER_PREFIXES = ("PMI_", "PMIX_", "MPI_LOCAL", "HYDI_", "HYDRA_", "OMPI_", "PRTE_", "PALS_",
                       "SLURM_", "ALPS_", "JSM_", "I_MPI_")
+# ... except settings the user made for Open MPI, not variables a launcher set.
+_USER_SETTINGS = ("OMPI_ALLOW_RUN_AS_ROOT", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -20,7 +22,7 @@ def divisors(n):
 
 def launcher_env(extra=None):
     """Return the environment for a nested MPI job: ours minus launcher variables."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCHER_PREFIXES)}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCHER_PREFIXES) or k in _USER_SETTINGS}
     env["PYTHONPATH"] = os.pathsep.join(
         p for p in (REPO, env.get("PYTHONPATH")) if p
     )
