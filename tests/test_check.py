@@ -108,3 +108,18 @@ def test_expected_halo_is_cut_from_the_global_array():
     assert zero.tolist() == [[2, 3], [4, 5], [6, 7], [8, 9]]
     assert check._expected_halo(full, 0, 2, 1, periodic=False).tolist() == [[0, 0], [0, 1], [2, 3], [4, 5]]
     assert check._expected_halo(full, 4, 2, 1, periodic=True).tolist() == [[6, 7], [8, 9], [10, 11], [0, 1]]
+
+
+def test_check_reports_each_ranks_gpu_and_sharing(world, capsys, fresh_manager, monkeypatch):
+    # Every rank is given the same (fake) GPU; the arrays stay on the CPU.
+    from mpidomain import binding
+    from test_binding import FakeDevices
+
+    monkeypatch.setattr(binding, "_find_devices", lambda import_libraries: FakeDevices(["GPU-0123456789ab"]))
+    status, out = run(world, capsys, "--device", "cpu", "--shape", f"1,1,{2 * world.size},4", "--repeats", "1")
+    assert status == 0
+    if world.rank == 0:
+        assert len(re.findall(r"^  rank \d+ \(.*\): cuda:0 \(GPU-01234567\)", out, re.M)) == world.size, out
+        verdict = out.strip().splitlines()[-1]
+        assert verdict.startswith("check passed:")
+        assert (f"(warning: ranks 0-{world.size - 1} share a GPU)" in verdict) == (world.size > 1), verdict
