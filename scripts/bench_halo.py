@@ -7,15 +7,18 @@ Run under MPI with every rank in one domain group (latitude, dim -2, sharded)::
 
 Each rank holds one shard of the given shape (float32). Rows, per shape and halo width:
 
-- floor (numpy / torch): allocate the padded array and copy the shard into it, the least any
-  pad-and-exchange must do;
+- floor (numpy / torch): copy the shard into a preallocated padded array, the least any
+  pad-and-exchange must do; and, for information, a fresh allocation plus that copy (a large
+  fresh array page-faults on every call);
 - mpidomain pad-and-exchange, NumPy and Torch: ``halo_exchange(x, h)``;
 - pad-and-exchange through persistent requests bound to each new array (the alternative the
   plan's ``pad`` does not take);
 - hand-written mpi4py: pack contiguous halos, Isend/Irecv, then concatenate;
 - CREDIT's exchange on torch.distributed gloo: P2POps, batch_isend_irecv, then torch.cat;
-- raw transfer: persistent Isend/Irecv of contiguous buffers holding the same halo bytes;
-- in-place plan: ``plan.exchange(padded)`` (subarray datatypes), and the same with packed halos.
+- raw transfer: persistent Isend/Irecv of contiguous buffers holding the same halo bytes, and
+  of the same rows described by subarray datatypes on both sides (no packing);
+- in-place plan: ``plan.exchange(padded)`` (packed sends, subarray receives), and the same with
+  packed halos both ways (the device path's scheme).
 
 Times are medians over repetitions (each started after a barrier) of the slowest rank.
 Targets (2 ranks) are printed as pass/miss.
@@ -40,17 +43,23 @@ from mpidomain import halo  # noqa: E402
 WORLD = MPI.COMM_WORLD
 
 
-def timed(function, repetitions, warmup=3):
-    """Median seconds of ``function()`` on the slowest rank."""
-    for _ in range(warmup):
-        function()
-    times = []
+def timed(functions, repetitions, warmup=3):
+    """Median seconds of each ``functions[name]()`` on the slowest rank, in a dict.
+
+    The functions take turns, one call each per round (every call after a barrier), so a
+    change in the machine's load hits them all alike rather than whichever ran then.
+    """
+    for function in functions.values():
+        for _ in range(warmup):
+            function()
+    times = {name: [] for name in functions}
     for _ in range(repetitions):
-        WORLD.Barrier()
-        start = time.perf_counter()
-        function()
-        times.append(time.perf_counter() - start)
-    return WORLD.allreduce(statistics.median(times), op=MPI.MAX)
+        for name, function in functions.items():
+            WORLD.Barrier()
+            start = time.perf_counter()
+            function()
+            times[name].append(time.perf_counter() - start)
+    return {name: WORLD.allreduce(statistics.median(t), op=MPI.MAX) for name, t in times.items()}
 
 
 def init_gloo():
@@ -115,6 +124,26 @@ def raw_transfer_requests(comm, plan):
     return requests, buffers
 
 
+def subarray_transfer_requests(comm, x, h, prev_rank, next_rank):
+    """Persistent requests moving the halo rows between padded arrays, subarray datatypes on both sides."""
+    padded = np.zeros(x.shape[:-2] + (x.shape[-2] + 2 * h, x.shape[-1]), x.dtype)
+    sizes = [int(np.prod(x.shape[:-2])), padded.shape[-2], x.shape[-1] * x.itemsize]
+
+    def rows(start):
+        return MPI.BYTE.Create_subarray(sizes, [sizes[0], h, sizes[2]], [0, start, 0]).Commit()
+
+    n = x.shape[-2]
+    types, requests = [], []
+    for peer, send_start, recv_start, send_tag, recv_tag in ((prev_rank, h, 0, 2, 1), (next_rank, n, n + h, 1, 2)):
+        if peer is None:
+            continue
+        send, recv = rows(send_start), rows(recv_start)
+        types += [send, recv]
+        requests += [comm.Recv_init([padded, 1, recv], source=peer, tag=recv_tag),
+                     comm.Send_init([padded, 1, send], dest=peer, tag=send_tag)]
+    return requests, types
+
+
 def bench(shape, h, repetitions, manager, rows):
     dim = -2
     rng = np.random.default_rng(WORLD.rank)
@@ -124,12 +153,21 @@ def bench(shape, h, repetitions, manager, rows):
     comm = manager.domain_comm.Dup()
     prev_rank, next_rank = manager.neighbor_ranks()
 
+    preallocated = np.zeros(padded_shape, np.float32)
+    preallocated_torch = torch.zeros(padded_shape, dtype=torch.float32)
+
     def floor_numpy():
+        np.copyto(preallocated[..., h:-h, :], x)
+
+    def floor_torch():
+        preallocated_torch[..., h:-h, :].copy_(xt)
+
+    def fresh_numpy():
         out = np.empty(padded_shape, np.float32)
         out[..., h:-h, :] = x
         return out
 
-    def floor_torch():
+    def fresh_torch():
         out = torch.empty(padded_shape, dtype=torch.float32)
         out[..., h:-h, :].copy_(xt)
         return out
@@ -147,10 +185,11 @@ def bench(shape, h, repetitions, manager, rows):
     halo._TRANSPORT_OVERRIDE = None
     packed_padded = packed_plan.pad(x)
     raw_requests, _buffers = raw_transfer_requests(comm, plan)
+    subarray_requests, _subarray_types = subarray_transfer_requests(comm, x, h, prev_rank, next_rank)
 
-    def raw():
-        MPI.Prequest.Startall(raw_requests)
-        MPI.Request.Waitall(raw_requests)
+    def run(requests):
+        MPI.Prequest.Startall(requests)
+        MPI.Request.Waitall(requests)
 
     # Same results before timing anything.
     ours = mpidomain.halo_exchange(x, h, dim)
@@ -159,20 +198,25 @@ def bench(shape, h, repetitions, manager, rows):
     assert np.array_equal(credit_gloo_exchange(xt, h, dim, prev_rank, next_rank).numpy(), ours)
     assert np.array_equal(plan.exchange(padded), ours) and np.array_equal(packed_plan.exchange(packed_padded), ours)
 
-    measured = {
-        "floor numpy": timed(floor_numpy, repetitions),
-        "floor torch": timed(floor_torch, repetitions),
-        "mpidomain pad+exchange numpy": timed(lambda: mpidomain.halo_exchange(x, h, dim), repetitions),
-        "mpidomain pad+exchange torch": timed(lambda: mpidomain.halo_exchange(xt, h, dim), repetitions),
-        "pad+exchange, persistent rebound": timed(rebinding, repetitions),
-        "hand-written mpi4py": timed(lambda: mpi4py_exchange(comm, x, h, prev_rank, next_rank), repetitions),
-        "CREDIT gloo": timed(lambda: credit_gloo_exchange(xt, h, dim, prev_rank, next_rank), repetitions),
-        "raw transfer": timed(raw, repetitions * 4),
-        "in-place plan (datatypes)": timed(lambda: plan.exchange(padded), repetitions * 4),
-        "in-place plan (packed)": timed(lambda: packed_plan.exchange(packed_padded), repetitions * 4),
-    }
-    for request in raw_requests:
-        request.Free()
+    measured = timed({
+        "floor numpy": floor_numpy,
+        "floor torch": floor_torch,
+        "fresh allocation + copy numpy": fresh_numpy,
+        "fresh allocation + copy torch": fresh_torch,
+        "mpidomain pad+exchange numpy": lambda: mpidomain.halo_exchange(x, h, dim),
+        "mpidomain pad+exchange torch": lambda: mpidomain.halo_exchange(xt, h, dim),
+        "pad+exchange, persistent rebound": rebinding,
+        "hand-written mpi4py": lambda: mpi4py_exchange(comm, x, h, prev_rank, next_rank),
+        "CREDIT gloo": lambda: credit_gloo_exchange(xt, h, dim, prev_rank, next_rank),
+    }, repetitions)
+    measured.update(timed({
+        "raw transfer": lambda: run(raw_requests),
+        "raw transfer, subarray both sides": lambda: run(subarray_requests),
+        "in-place plan": lambda: plan.exchange(padded),
+        "in-place plan (packed)": lambda: packed_plan.exchange(packed_padded),
+    }, repetitions * 4))
+    for handle in raw_requests + subarray_requests + _subarray_types:
+        handle.Free()
     plan.free()
     packed_plan.free()
     comm.Free()
@@ -186,8 +230,9 @@ def bench(shape, h, repetitions, manager, rows):
         ("hand-written mpi4py", "mpidomain pad+exchange numpy", None, "<="),
         ("mpidomain pad+exchange numpy", "hand-written mpi4py", 1.5 if two and not large else None, "<="),
         ("CREDIT gloo", "mpidomain pad+exchange torch", (3 if large else 8) if two else None, ">="),
-        ("in-place plan (datatypes)", "raw transfer", 1.2 if two else None, "<="),
-        ("in-place plan (packed)", "in-place plan (datatypes)", None, "<="),
+        ("in-place plan", "raw transfer", 1.2 if two else None, "<="),
+        ("in-place plan (packed)", "in-place plan", None, "<="),
+        ("raw transfer, subarray both sides", "in-place plan", None, "<="),
     ]
     label = f"{shape} h={h}"
     for name, time_s in measured.items():

@@ -282,3 +282,56 @@ def test_pad_reuses_memory_only_once_dropped(world, kind):
         fourth = halo_exchange(x, 1, 1, periodic=True, manager=manager)  # dropped: its memory comes back
         assert to_numpy(fourth).__array_interface__["data"][0] == third_address
         assert np.array_equal(to_numpy(fourth), expected)
+
+
+@pytest.mark.parametrize("aware, transport", [(True, "packed"), (False, "staged")])
+def test_device_arrays_choose_by_cuda_awareness(monkeypatch, aware, transport):
+    monkeypatch.setattr(halo.devices, "is_device_array", lambda x: True)
+    monkeypatch.setattr(halo.devices, "cuda_aware_decision", lambda: halo.devices.CudaAwareDecision(aware, "test"))
+    assert halo._choose_transport(np.zeros(3)) == transport
+
+
+def _gpu_arrays():
+    """CUDA arrays of every installed kind, or [] (then the device tests skip on every rank alike)."""
+    makers = []
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            makers.append(lambda a: torch.from_numpy(a).cuda())
+    except ImportError:
+        pass
+    try:
+        import cupy
+
+        if cupy.cuda.runtime.getDeviceCount():
+            makers.append(cupy.asarray)
+    except Exception:  # no cupy, no driver or no device
+        pass
+    return makers
+
+
+@pytest.mark.parametrize("aware", ["0", "1"])
+def test_gpu_arrays_match_the_reference(world, monkeypatch, aware):
+    makers = _gpu_arrays()
+    if not makers:
+        pytest.skip("no CUDA device (torch or cupy)")
+    if aware == "1" and not halo.devices.cuda_aware_decision().enabled and world.size > 1:
+        pytest.skip("the MPI library is not CUDA-aware")
+    monkeypatch.setenv("MPIDOMAIN_CUDA_AWARE", aware)
+    halo.devices.cuda_aware_decision(refresh=True)
+    try:
+        for make in makers:
+            for d, h, periodic, uneven in all_cases(world):
+                with DomainParallelManager(world.size, d) as manager:
+                    shard, expected = local_case(manager, (2, 3, "N", 5), -2, h, periodic, uneven)
+                    x = make(shard)
+                    out = halo_exchange(x, h, -2, periodic=periodic, manager=manager)
+                    host = out.get() if hasattr(out, "get") else out.cpu().numpy()
+                    assert np.array_equal(host, expected)
+                    with HaloPlan(x, h, -2, periodic=periodic, manager=manager) as plan:
+                        assert plan.transport == ("packed" if aware == "1" else "staged")
+                        assert np.array_equal(halo.devices.copy_to_host(plan.exchange(out), np.empty(expected.shape, expected.dtype)), expected)
+    finally:
+        monkeypatch.delenv("MPIDOMAIN_CUDA_AWARE")
+        halo.devices.cuda_aware_decision(refresh=True)
