@@ -240,6 +240,7 @@ class HaloPlan:
         if self.transport == "host":
             for _, _, rows in self._recvs:
                 self._datatypes[rows[-1].start] = self._subarray(MPI, rows[-1].start)
+            self._recv_types = [self._datatypes[rows[-1].start] for _, _, rows in self._recvs]
         else:
             self._recv_buffers = [self._buffer(x) for _ in self._recvs]
             self._recv_requests = [self._comm.Recv_init(self._mpi_message(MPI, buf), source=peer, tag=tag)
@@ -383,9 +384,9 @@ class HaloPlan:
             MPI = mpi()
             for (_, _, rows), buffer in zip(self._sends, self._send_buffers):
                 np.copyto(buffer, source[self._shifted(rows)])
-            comm, types = self._comm, self._datatypes
-            requests = [comm.Irecv([view, 1, types[rows[-1].start]], source=peer, tag=tag)
-                        for peer, tag, rows in self._recvs]
+            comm = self._comm
+            requests = [comm.Irecv([view, 1, datatype], source=peer, tag=tag)
+                        for (peer, tag, _), datatype in zip(self._recvs, self._recv_types)]
             MPI.Prequest.Startall(self._send_requests)
             view[self._interior] = source
             self._fill_local(view)
@@ -411,9 +412,9 @@ class HaloPlan:
     def _bind(self, view):
         """Point the persistent receive requests at host array ``view`` (the host path)."""
         self._free_requests(self._recv_requests)
-        comm, types = self._comm, self._datatypes
-        self._recv_requests = [comm.Recv_init([view, 1, types[rows[-1].start]], source=peer, tag=tag)
-                               for peer, tag, rows in self._recvs]
+        comm = self._comm
+        self._recv_requests = [comm.Recv_init([view, 1, datatype], source=peer, tag=tag)
+                               for (peer, tag, _), datatype in zip(self._recvs, self._recv_types)]
         self._requests = self._recv_requests + self._send_requests
         self._bound = (view.ctypes.data, view)
 
@@ -470,7 +471,7 @@ class HaloPlan:
         # Ghost rows go back where they came from: the reverse of each forward message, same tag.
         if self.transport == "host":
             view = self._host_view(grad, "grad")
-            outgoing = [[view, 1, self._datatypes[rows[-1].start]] for _, _, rows in self._recvs]
+            outgoing = [[view, 1, datatype] for datatype in self._recv_types]
         else:
             for (_, _, rows), buffer in zip(self._recvs, self._recv_buffers):
                 if self.transport == "staged":
@@ -530,7 +531,7 @@ class HaloPlan:
             for datatype in self._datatypes.values():
                 datatype.Free()
             self._comm.Free()
-        self._requests, self._recv_requests, self._send_requests = [], [], []
+        self._requests, self._recv_requests, self._send_requests, self._recv_types = [], [], [], []
         self._send_buffers = self._recv_buffers = self._adjoint_buffers = self._like = self._spare = None
 
     @property
@@ -567,8 +568,9 @@ def cached_plan(x, halo_width, dim=None, *, periodic=False, manager=None):
     """
     manager = _resolve_manager(manager)
     try:
-        key = (manager, devices.array_kind(x), str(x.dtype), str(getattr(x, "device", "cpu")), tuple(x.shape),
-               halo_width, dim, periodic, _TRANSPORT_OVERRIDE)
+        kind = devices.array_kind(x)
+        device = x.device if kind == "torch" else x.device.id if kind == "cupy" else None
+        key = (manager, kind, x.dtype, device, tuple(x.shape), halo_width, dim, periodic, _TRANSPORT_OVERRIDE)
         plan = _PLANS.get(key)
     except TypeError:  # not an array, or an unhashable argument: the plan build reports it on every rank
         key = plan = None
