@@ -199,7 +199,8 @@ class HaloPlan:
         self.padded_shape = self.shape[:self.dim] + (n + 2 * h,) + self.shape[self.dim + 1:]
         self.transport = _choose_transport(x)
         self._device = devices.is_device_array(x)
-        self._itemsize = devices.numpy_dtype(x).itemsize
+        self._numpy_dtype = devices.numpy_dtype(x)
+        self._itemsize = self._numpy_dtype.itemsize
         self._like = devices.empty((0,), like=x)  # allocates padded arrays and buffers of x's kind
 
         size, rank = comm.Get_size(), comm.Get_rank()
@@ -296,7 +297,7 @@ class HaloPlan:
                 f"{what} must be a {self.kind} array of shape {shape} and dtype {self.dtype} for this plan, got "
                 f"a {kind} array of shape {tuple(array.shape)} and dtype {array.dtype}; build a plan for it"
             )
-        if devices.is_device_array(array) != self._device:
+        if kind != "numpy" and devices.is_device_array(array) != self._device:
             raise ValueError(f"{what} is on another device than the plan's; build a plan for it")
 
     def _host_view(self, padded, what="padded"):
@@ -308,6 +309,12 @@ class HaloPlan:
     # -- the forward exchange -------------------------------------------------
     def _fill_local(self, array):
         """Zero the ghost rows at the domain's outer edges; copy the wrapped rows when D=1 and periodic."""
+        if isinstance(array, np.ndarray):
+            for rows in self._zeros:
+                array[rows] = 0
+            for source, ghost in self._copies:
+                array[ghost] = array[source]
+            return
         for rows in self._zeros:
             _zero(array[rows])
         for source, ghost in self._copies:
@@ -367,16 +374,20 @@ class HaloPlan:
         """
         self._check_usable()
         self._check_array(x, self.shape, "x")
-        if out is None:
-            out = self._new_padded()
-        else:
+        if out is not None:
             self._check_array(out, self.padded_shape, "out")
         if self.transport != "host":
+            out = devices.empty(self.padded_shape, like=x) if out is None else out
             devices.assign(out[self._interior], x)
             return self.exchange(out)
         if self._in_flight is not None:
             raise RuntimeError("pad() while an exchange is in flight; call plan.wait() first")
-        view, source = self._host_view(out, "out"), devices.mpi_buffer(x)
+        if out is None:
+            view = self._reusable_padded()
+            out = view if self.kind == "numpy" else devices.from_numpy(view, like=self._like)
+        else:
+            view = self._host_view(out, "out")
+        source = devices.mpi_buffer(x)
         if self._sends:
             # Send x's edge rows first, so they travel while the interior is copied. A new
             # array each call: a plain receive on the cached datatype costs less than binding
@@ -396,18 +407,16 @@ class HaloPlan:
             self._fill_local(view)
         return out
 
-    def _new_padded(self):
-        """Return a padded array for :meth:`pad`: on the host, last call's if the program dropped it.
+    def _reusable_padded(self):
+        """Return a padded NumPy array for :meth:`pad`: last call's if the program dropped it.
 
         Reusing it spares the page faults of a fresh allocation (most of the cost of
         padding a large shard); only the plan holding it is proof that nobody else does.
         """
-        if self._device:
-            return devices.empty(self.padded_shape, like=self._like)
         spare = self._spare
         if spare is None or sys.getrefcount(spare) > 3:  # held by self._spare, `spare` and the call only
-            spare = self._spare = np.empty(self.padded_shape, devices.numpy_dtype(self._like))
-        return devices.from_numpy(spare, like=self._like)
+            spare = self._spare = np.empty(self.padded_shape, self._numpy_dtype)
+        return spare
 
     def _bind(self, view):
         """Point the persistent receive requests at host array ``view`` (the host path)."""
