@@ -7,10 +7,10 @@ halo_width, dim, periodic), PETSc-DMDA style: it validates the inputs across
 the domain group, finds the neighbours, and prepares the transfers:
 
 - host memory (NumPy, CPU Torch): the edge rows are packed into contiguous
-  buffers and the ghost rows received straight into the padded array through
-  MPI subarray datatypes (the fastest mix measured by scripts/bench_halo.py:
-  sending from a datatype makes MPI pack far more slowly than one copy does),
-  over persistent requests;
+  NumPy buffers, sent over persistent requests, and the received rows copied
+  into the ghost rows. scripts/bench_halo.py measures this against MPI
+  subarray datatypes on either side: with MPICH, one NumPy copy each way is
+  cheaper than letting MPI pack and unpack the strided rows;
 - device memory (CuPy, CUDA Torch): the halos are packed into contiguous
   device buffers (derived datatypes on device memory are slow in most MPI
   libraries) and handed to MPI directly when it is CUDA-aware, or staged
@@ -200,7 +200,6 @@ class HaloPlan:
         self.transport = _choose_transport(x)
         self._device = devices.is_device_array(x)
         self._numpy_dtype = devices.numpy_dtype(x)
-        self._itemsize = self._numpy_dtype.itemsize
         self._like = devices.empty((0,), like=x)  # allocates padded arrays and buffers of x's kind
 
         size, rank = comm.Get_size(), comm.Get_rank()
@@ -228,25 +227,18 @@ class HaloPlan:
 
         MPI = mpi()
         self._comm = comm.Dup()  # halo traffic never meets any other message
-        self._datatypes = {}
-        self._recv_requests = []
-        self._bound = None  # (pointer, array) the host path's receive requests point into
         self._in_flight = None
-        self._adjoint_buffers = None
         self._spare = None  # the last padded host array pad() returned, reused once the program drops it
         self._freed = False
         self._send_buffers = [self._buffer(x) for _ in self._sends]
-        self._send_requests = [self._comm.Send_init(self._mpi_message(MPI, buf), dest=peer, tag=tag)
-                               for (peer, tag, _), buf in zip(self._sends, self._send_buffers)]
-        if self.transport == "host":
-            for _, _, rows in self._recvs:
-                self._datatypes[rows[-1].start] = self._subarray(MPI, rows[-1].start)
-            self._recv_types = [self._datatypes[rows[-1].start] for _, _, rows in self._recvs]
-        else:
-            self._recv_buffers = [self._buffer(x) for _ in self._recvs]
-            self._recv_requests = [self._comm.Recv_init(self._mpi_message(MPI, buf), source=peer, tag=tag)
-                                   for (peer, tag, _), buf in zip(self._recvs, self._recv_buffers)]
-        self._requests = self._recv_requests + self._send_requests
+        self._recv_buffers = [self._buffer(x) for _ in self._recvs]
+        self._requests = [
+            self._comm.Recv_init(self._mpi_message(MPI, buffer), source=peer, tag=tag)
+            for (peer, tag, _), buffer in zip(self._recvs, self._recv_buffers)
+        ] + [
+            self._comm.Send_init(self._mpi_message(MPI, buffer), dest=peer, tag=tag)
+            for (peer, tag, _), buffer in zip(self._sends, self._send_buffers)
+        ]
         _LIVE.add(self)
         if manager not in _WATCHED:
             _WATCHED.add(manager)
@@ -259,22 +251,21 @@ class HaloPlan:
     def _halo_shape(self):
         return self.shape[:self.dim] + (self.halo_width,) + self.shape[self.dim + 1:]
 
-    def _subarray(self, MPI, start):
-        """Return the committed datatype of ``halo_width`` rows from ``start`` in a padded array."""
-        outer = int(np.prod(self.padded_shape[:self.dim]))
-        inner = int(np.prod(self.padded_shape[self.dim + 1:])) * self._itemsize
-        rows = self.padded_shape[self.dim]
-        return MPI.BYTE.Create_subarray([outer, rows, inner], [outer, self.halo_width, inner], [0, start, 0]).Commit()
-
     def _buffer(self, like):
+        """A contiguous buffer for one halo: NumPy on the host, pinned host memory or device memory."""
         if self.transport == "host":
-            return np.empty(self._halo_shape(), devices.numpy_dtype(like))
+            return np.empty(self._halo_shape(), self._numpy_dtype)
         if self.transport == "staged":
-            return devices.pinned_empty(self._halo_shape(), devices.numpy_dtype(like), like=like)
+            return devices.pinned_empty(self._halo_shape(), self._numpy_dtype, like=like)
         return devices.empty(self._halo_shape(), like=like)
 
     def _mpi_message(self, MPI, buffer):
         return [devices.mpi_buffer(devices.byte_view(buffer)), MPI.BYTE]
+
+    def _shifted(self, rows):
+        """Rows of the padded array, as rows of the unpadded shard."""
+        span = rows[-1]
+        return self._rows(span.start - self.halo_width, span.stop - self.halo_width)
 
     def interior(self, padded):
         """Return the view of ``padded``'s local rows (everything but the ghost rows)."""
@@ -289,6 +280,8 @@ class HaloPlan:
     def _check_usable(self):
         if self._freed:
             raise RuntimeError("this HaloPlan was freed (by free(), its manager's close() or halo_exchange's cache); build a new one")
+        if self._in_flight is not None:
+            raise RuntimeError("an exchange is in flight on this plan; call plan.wait() first")
 
     def _check_array(self, array, shape, what):
         kind = devices.array_kind(array)
@@ -300,48 +293,52 @@ class HaloPlan:
         if kind != "numpy" and devices.is_device_array(array) != self._device:
             raise ValueError(f"{what} is on another device than the plan's; build a plan for it")
 
-    def _host_view(self, padded, what="padded"):
-        view = devices.mpi_buffer(padded)
-        if not view.flags.c_contiguous:
-            raise ValueError(f"{what} must be C-contiguous for this plan; pass a contiguous array (plan.empty() makes one)")
-        return view
+    def _working(self, array):
+        """The array the transfers touch: a NumPy view of host memory, the device array itself."""
+        return devices.mpi_buffer(array) if self.transport == "host" else (
+            array.detach() if self.kind == "torch" else array)
 
-    # -- the forward exchange -------------------------------------------------
+    # -- moving halos ---------------------------------------------------------
     def _fill_local(self, array):
         """Zero the ghost rows at the domain's outer edges; copy the wrapped rows when D=1 and periodic."""
-        if isinstance(array, np.ndarray):
-            for rows in self._zeros:
-                array[rows] = 0
-            for source, ghost in self._copies:
-                array[ghost] = array[source]
-            return
         for rows in self._zeros:
             _zero(array[rows])
         for source, ghost in self._copies:
             devices.assign(array[ghost], array[source])
 
+    def _pack(self, array, regions, buffers):
+        """Copy ``regions`` of ``array`` into contiguous ``buffers``, ready for MPI."""
+        for rows, buffer in zip(regions, buffers):
+            if self.transport == "staged":
+                devices.copy_to_host(array[rows], buffer)
+            else:
+                devices.assign(buffer, array[rows])
+        if self._device:
+            devices.synchronize(array)  # MPI must read finished data
+
+    def _unpack(self, buffers, array, regions):
+        """Copy contiguous ``buffers`` into ``regions`` of ``array``."""
+        for buffer, rows in zip(buffers, regions):
+            if self.transport == "staged":
+                devices.copy_to_device(buffer, array[rows])
+            else:
+                devices.assign(array[rows], buffer)
+        if self.transport == "staged":
+            devices.synchronize(array)  # the next exchange reuses the pinned buffers
+
+    # -- the forward exchange -------------------------------------------------
     def start(self, padded):
         """Start refreshing ``padded``'s ghost rows in place; return at once.
 
         Collective over the domain group. The local rows may be read, and
-        other arrays computed, until :meth:`wait`; neither the ghost rows nor
-        the edge rows being sent may be written before it returns.
+        other arrays computed, until :meth:`wait`; the ghost rows may not be
+        touched before it returns.
         """
         self._check_usable()
-        if self._in_flight is not None:
-            raise RuntimeError("start() called twice without wait(); call plan.wait() first")
         self._check_array(padded, self.padded_shape, "padded")
-        working = padded.detach() if self.kind == "torch" else padded
-        if self.transport == "host":
-            view = self._host_view(working)
-            self._fill_local(view)
-            for (_, _, rows), buffer in zip(self._sends, self._send_buffers):
-                np.copyto(buffer, view[rows])
-            if self._bound is None or self._bound[0] != view.ctypes.data:
-                self._bind(view)
-        else:
-            self._fill_local(working)
-            self._pack(working)
+        working = self._working(padded)
+        self._fill_local(working)
+        self._pack(working, [rows for _, _, rows in self._sends], self._send_buffers)
         if self._requests:
             mpi().Prequest.Startall(self._requests)
         self._in_flight = (padded, working)
@@ -353,8 +350,7 @@ class HaloPlan:
         (padded, working), self._in_flight = self._in_flight, None
         if self._requests:
             mpi().Request.Waitall(self._requests)
-        if self.transport != "host":
-            self._unpack(working)
+        self._unpack(self._recv_buffers, working, [rows for _, _, rows in self._recvs])
         return padded
 
     def exchange(self, padded):
@@ -369,42 +365,27 @@ class HaloPlan:
     def pad(self, x, out=None):
         """Return ``x`` with ghost rows on both sides along ``dim``, in ``out`` or a new array.
 
-        Collective over the domain group: every rank passes its shard. Copies
-        ``x`` into the interior once and receives the ghost rows in place.
+        Collective over the domain group: every rank passes its shard. The
+        halos travel first, then ``x`` is copied into the interior once.
         """
         self._check_usable()
         self._check_array(x, self.shape, "x")
         if out is not None:
             self._check_array(out, self.padded_shape, "out")
-        if self.transport != "host":
-            out = devices.empty(self.padded_shape, like=x) if out is None else out
-            devices.assign(out[self._interior], x)
-            return self.exchange(out)
-        if self._in_flight is not None:
-            raise RuntimeError("pad() while an exchange is in flight; call plan.wait() first")
-        if out is None:
-            view = self._reusable_padded()
-            out = view if self.kind == "numpy" else devices.from_numpy(view, like=self._like)
+        elif self.transport == "host":
+            spare = self._reusable_padded()
+            out = spare if self.kind == "numpy" else devices.from_numpy(spare, like=self._like)
         else:
-            view = self._host_view(out, "out")
-        source = devices.mpi_buffer(x)
-        if self._sends:
-            # Send x's edge rows first, so they travel while the interior is copied. A new
-            # array each call: a plain receive on the cached datatype costs less than binding
-            # a persistent one to it (scripts/bench_halo.py measures both).
+            out = devices.empty(self.padded_shape, like=x)
+        source, working = self._working(x), self._working(out)
+        self._pack(source, [self._shifted(rows) for _, _, rows in self._sends], self._send_buffers)
+        if self._requests:
             MPI = mpi()
-            for (_, _, rows), buffer in zip(self._sends, self._send_buffers):
-                np.copyto(buffer, source[self._shifted(rows)])
-            comm = self._comm
-            requests = [comm.Irecv([view, 1, datatype], source=peer, tag=tag)
-                        for (peer, tag, _), datatype in zip(self._recvs, self._recv_types)]
-            MPI.Prequest.Startall(self._send_requests)
-            view[self._interior] = source
-            self._fill_local(view)
-            MPI.Request.Waitall(requests + self._send_requests)
-        else:
-            view[self._interior] = source
-            self._fill_local(view)
+            MPI.Prequest.Startall(self._requests)
+            MPI.Request.Waitall(self._requests)
+        devices.assign(working[self._interior], source)
+        self._fill_local(working)
+        self._unpack(self._recv_buffers, working, [rows for _, _, rows in self._recvs])
         return out
 
     def _reusable_padded(self):
@@ -418,32 +399,6 @@ class HaloPlan:
             spare = self._spare = np.empty(self.padded_shape, self._numpy_dtype)
         return spare
 
-    def _bind(self, view):
-        """Point the persistent receive requests at host array ``view`` (the host path)."""
-        self._free_requests(self._recv_requests)
-        comm = self._comm
-        self._recv_requests = [comm.Recv_init([view, 1, datatype], source=peer, tag=tag)
-                               for (peer, tag, _), datatype in zip(self._recvs, self._recv_types)]
-        self._requests = self._recv_requests + self._send_requests
-        self._bound = (view.ctypes.data, view)
-
-    def _pack(self, padded):
-        for (_, _, rows), buffer in zip(self._sends, self._send_buffers):
-            if self.transport == "staged":
-                devices.copy_to_host(padded[rows], buffer)
-            else:
-                devices.assign(buffer, padded[rows])
-        devices.synchronize(padded)  # MPI must read finished data
-
-    def _unpack(self, padded):
-        for (_, _, rows), buffer in zip(self._recvs, self._recv_buffers):
-            if self.transport == "staged":
-                devices.copy_to_device(buffer, padded[rows])
-            else:
-                devices.assign(padded[rows], buffer)
-        if self.transport == "staged":
-            devices.synchronize(padded)  # the next exchange reuses the pinned buffers
-
     # -- the adjoint (backward) ---------------------------------------------------
     def adjoint(self, grad):
         """Return the gradient of the unpadded shard, given ``grad`` of the padded array.
@@ -455,76 +410,45 @@ class HaloPlan:
         """
         self._check_usable()
         self._check_array(grad, self.padded_shape, "grad")
-        if self._in_flight is not None:
-            raise RuntimeError("adjoint() while an exchange is in flight; call plan.wait() first")
         if self.kind == "torch":
-            grad = grad.detach().contiguous()
-        elif self.kind == "numpy":
-            grad = np.ascontiguousarray(grad)
-        else:
-            import cupy
-
-            grad = cupy.ascontiguousarray(grad)
-        h = self.halo_width
+            grad = grad.detach()
         out = devices.empty(self.shape, like=grad)
         devices.assign(out, grad[self._interior])
         for source, ghost in self._copies:
             _add_into(out[self._shifted(source)], grad[ghost])
-        if not self._sends:
+        if not self._requests:
             return out
+        # Each forward message in reverse, same tag: the ghost rows' gradients (packed into
+        # the forward receive buffers) go back to their owners, arriving in the send buffers.
         MPI = mpi()
-        comm = self._comm
-        if self._adjoint_buffers is None:
-            self._adjoint_buffers = [self._buffer(grad) if self.transport == "staged"
-                                     else devices.empty(self._halo_shape(), like=grad) for _ in self._sends]
-        # Ghost rows go back where they came from: the reverse of each forward message, same tag.
-        if self.transport == "host":
-            view = self._host_view(grad, "grad")
-            outgoing = [[view, 1, datatype] for datatype in self._recv_types]
-        else:
-            for (_, _, rows), buffer in zip(self._recvs, self._recv_buffers):
-                if self.transport == "staged":
-                    devices.copy_to_host(grad[rows], buffer)
-                else:
-                    devices.assign(buffer, grad[rows])
-            devices.synchronize(grad)
-            outgoing = [self._mpi_message(MPI, buffer) for buffer in self._recv_buffers]
-        requests = [comm.Irecv(self._mpi_message(MPI, buffer), source=peer, tag=tag)
-                    for (peer, tag, _), buffer in zip(self._sends, self._adjoint_buffers)]
-        requests += [comm.Isend(message, dest=peer, tag=tag)
-                     for (peer, tag, _), message in zip(self._recvs, outgoing)]
+        ghosts = self._working(grad)
+        self._pack(ghosts, [rows for _, _, rows in self._recvs], self._recv_buffers)
+        requests = [self._comm.Irecv(self._mpi_message(MPI, buffer), source=peer, tag=tag)
+                    for (peer, tag, _), buffer in zip(self._sends, self._send_buffers)]
+        requests += [self._comm.Isend(self._mpi_message(MPI, buffer), dest=peer, tag=tag)
+                     for (peer, tag, _), buffer in zip(self._recvs, self._recv_buffers)]
         MPI.Request.Waitall(requests)
-        for (_, _, rows), buffer in zip(self._sends, self._adjoint_buffers):
+        for (_, _, rows), buffer in zip(self._sends, self._send_buffers):
             if self.transport == "staged":
                 buffer = devices.copy_to_device(buffer, devices.empty(self._halo_shape(), like=grad))
+            elif self.transport == "host":
+                buffer = devices.from_numpy(buffer, like=grad)
             _add_into(out[self._shifted(rows)], buffer)
-        if self.transport == "staged":
-            devices.synchronize(grad)
+        if self._device:
+            devices.synchronize(grad)  # the next exchange reuses the buffers
         return out
-
-    def _shifted(self, rows):
-        """Rows of the padded array, as rows of the unpadded shard."""
-        span = rows[-1]
-        return self._rows(span.start - self.halo_width, span.stop - self.halo_width)
 
     # -- lifetime -------------------------------------------------------------
     def live_handles(self):
-        """Return how many MPI requests, datatypes and communicators the plan holds (0s once freed)."""
+        """Return how many MPI requests and communicators the plan holds (0s once freed)."""
         MPI = mpi()
         return {
             "requests": sum(r != MPI.REQUEST_NULL for r in self._requests),
-            "datatypes": sum(t != MPI.DATATYPE_NULL for t in self._datatypes.values()),
             "communicators": int(self._comm != MPI.COMM_NULL),
         }
 
-    def _free_requests(self, requests):
-        for request in requests:
-            if request != mpi().REQUEST_NULL:
-                request.Free()
-        self._bound = None
-
     def free(self):
-        """Release the plan's MPI requests, datatypes, communicator and buffers; idempotent.
+        """Release the plan's MPI requests, communicator and buffers; idempotent.
 
         Collective over the domain group (it frees a communicator). Finishes
         an exchange still in flight first.
@@ -536,12 +460,11 @@ class HaloPlan:
         self._freed = True
         _LIVE.discard(self)
         if is_active():
-            self._free_requests(self._requests)
-            for datatype in self._datatypes.values():
-                datatype.Free()
+            for request in self._requests:
+                if request != mpi().REQUEST_NULL:
+                    request.Free()
             self._comm.Free()
-        self._requests, self._recv_requests, self._send_requests, self._recv_types = [], [], [], []
-        self._send_buffers = self._recv_buffers = self._adjoint_buffers = self._like = self._spare = None
+        self._send_buffers = self._recv_buffers = self._like = self._spare = None
 
     @property
     def freed(self):
