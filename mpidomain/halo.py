@@ -230,6 +230,9 @@ class HaloPlan:
         self._in_flight = None
         self._spare = None  # the last padded host array pad() returned, reused once the program drops it
         self._freed = False
+        self._send_rows = [rows for _, _, rows in self._sends]
+        self._recv_rows = [rows for _, _, rows in self._recvs]
+        self._send_rows_of_shard = [self._shifted(rows) for rows in self._send_rows]
         self._send_buffers = [self._buffer(x) for _ in self._sends]
         self._recv_buffers = [self._buffer(x) for _ in self._recvs]
         self._requests = [
@@ -338,7 +341,7 @@ class HaloPlan:
         self._check_array(padded, self.padded_shape, "padded")
         working = self._working(padded)
         self._fill_local(working)
-        self._pack(working, [rows for _, _, rows in self._sends], self._send_buffers)
+        self._pack(working, self._send_rows, self._send_buffers)
         if self._requests:
             mpi().Prequest.Startall(self._requests)
         self._in_flight = (padded, working)
@@ -350,7 +353,7 @@ class HaloPlan:
         (padded, working), self._in_flight = self._in_flight, None
         if self._requests:
             mpi().Request.Waitall(self._requests)
-        self._unpack(self._recv_buffers, working, [rows for _, _, rows in self._recvs])
+        self._unpack(self._recv_buffers, working, self._recv_rows)
         return padded
 
     def exchange(self, padded):
@@ -372,21 +375,39 @@ class HaloPlan:
         self._check_array(x, self.shape, "x")
         if out is not None:
             self._check_array(out, self.padded_shape, "out")
-        elif self.transport == "host":
-            spare = self._reusable_padded()
-            out = spare if self.kind == "numpy" else devices.from_numpy(spare, like=self._like)
-        else:
+        if self.transport == "host" and out is None:
+            return self._pad_host(x)
+        if out is None:
             out = devices.empty(self.padded_shape, like=x)
         source, working = self._working(x), self._working(out)
-        self._pack(source, [self._shifted(rows) for _, _, rows in self._sends], self._send_buffers)
+        self._pack(source, self._send_rows_of_shard, self._send_buffers)
         if self._requests:
             MPI = mpi()
             MPI.Prequest.Startall(self._requests)
             MPI.Request.Waitall(self._requests)
         devices.assign(working[self._interior], source)
         self._fill_local(working)
-        self._unpack(self._recv_buffers, working, [rows for _, _, rows in self._recvs])
+        self._unpack(self._recv_buffers, working, self._recv_rows)
         return out
+
+    def _pad_host(self, x):
+        """:meth:`pad` on the host into a reusable array, in NumPy operations only (the hot path)."""
+        source = x if self.kind == "numpy" else devices.mpi_buffer(x)
+        for rows, buffer in zip(self._send_rows_of_shard, self._send_buffers):
+            np.copyto(buffer, source[rows])
+        if self._requests:
+            MPI = mpi()
+            MPI.Prequest.Startall(self._requests)
+            MPI.Request.Waitall(self._requests)
+        padded = self._reusable_padded()
+        padded[self._interior] = source
+        for rows in self._zeros:
+            padded[rows] = 0
+        for rows, ghost in self._copies:
+            padded[ghost] = padded[rows]
+        for buffer, rows in zip(self._recv_buffers, self._recv_rows):
+            padded[rows] = buffer
+        return padded if self.kind == "numpy" else devices.from_numpy(padded, like=self._like)
 
     def _reusable_padded(self):
         """Return a padded NumPy array for :meth:`pad`: last call's if the program dropped it.
@@ -421,8 +442,7 @@ class HaloPlan:
         # Each forward message in reverse, same tag: the ghost rows' gradients (packed into
         # the forward receive buffers) go back to their owners, arriving in the send buffers.
         MPI = mpi()
-        ghosts = self._working(grad)
-        self._pack(ghosts, [rows for _, _, rows in self._recvs], self._recv_buffers)
+        self._pack(self._working(grad), self._recv_rows, self._recv_buffers)
         requests = [self._comm.Irecv(self._mpi_message(MPI, buffer), source=peer, tag=tag)
                     for (peer, tag, _), buffer in zip(self._sends, self._send_buffers)]
         requests += [self._comm.Isend(self._mpi_message(MPI, buffer), dest=peer, tag=tag)
