@@ -7,10 +7,11 @@ halo_width, dim, periodic), PETSc-DMDA style: it validates the inputs across
 the domain group, finds the neighbours, and prepares the transfers:
 
 - host memory (NumPy, CPU Torch): the edge rows are packed into contiguous
-  NumPy buffers, sent over persistent requests, and the received rows copied
-  into the ghost rows. scripts/bench_halo.py measures this against MPI
-  subarray datatypes on either side: with MPICH, one NumPy copy each way is
-  cheaper than letting MPI pack and unpack the strided rows;
+  NumPy buffers and sent; the neighbours' rows are received straight into
+  the padded array through MPI subarray datatypes; persistent requests.
+  scripts/bench_halo.py measures the alternatives: with MPICH, receiving
+  through a datatype costs about what a contiguous receive does, sending
+  through one costs more than one NumPy copy;
 - device memory (CuPy, CUDA Torch): the halos are packed into contiguous
   device buffers (derived datatypes on device memory are slow in most MPI
   libraries) and handed to MPI directly when it is CUDA-aware, or staged
@@ -233,15 +234,19 @@ class HaloPlan:
         self._send_rows = [rows for _, _, rows in self._sends]
         self._recv_rows = [rows for _, _, rows in self._recvs]
         self._send_rows_of_shard = [self._shifted(rows) for rows in self._send_rows]
+        # Halos leave from contiguous buffers. On the host they arrive straight in the padded
+        # array through subarray datatypes (persistent receives bound to its address, rebound
+        # when another array comes); elsewhere they arrive in contiguous buffers too.
         self._send_buffers = [self._buffer(x) for _ in self._sends]
+        self._send_requests = [self._comm.Send_init(self._mpi_message(MPI, buffer), dest=peer, tag=tag)
+                               for (peer, tag, _), buffer in zip(self._sends, self._send_buffers)]
         self._recv_buffers = [self._buffer(x) for _ in self._recvs]
-        self._requests = [
+        self._recv_types = [self._subarray(MPI, rows) for rows in self._recv_rows] if self.transport == "host" else []
+        self._bound_address = None
+        self._recv_requests = [] if self.transport == "host" else [
             self._comm.Recv_init(self._mpi_message(MPI, buffer), source=peer, tag=tag)
-            for (peer, tag, _), buffer in zip(self._recvs, self._recv_buffers)
-        ] + [
-            self._comm.Send_init(self._mpi_message(MPI, buffer), dest=peer, tag=tag)
-            for (peer, tag, _), buffer in zip(self._sends, self._send_buffers)
-        ]
+            for (peer, tag, _), buffer in zip(self._recvs, self._recv_buffers)]
+        self._requests = self._recv_requests + self._send_requests
         _LIVE.add(self)
         if manager not in _WATCHED:
             _WATCHED.add(manager)
@@ -253,6 +258,31 @@ class HaloPlan:
 
     def _halo_shape(self):
         return self.shape[:self.dim] + (self.halo_width,) + self.shape[self.dim + 1:]
+
+    def _subarray(self, MPI, rows):
+        """The committed datatype of ``rows`` (a slice along ``dim``) of a C-contiguous padded array."""
+        outer = int(np.prod(self.padded_shape[:self.dim]))
+        inner = int(np.prod(self.padded_shape[self.dim + 1:])) * self._numpy_dtype.itemsize
+        sizes = [outer, self.padded_shape[self.dim], inner]
+        start = rows[-1].start
+        return MPI.BYTE.Create_subarray(sizes, [outer, self.halo_width, inner], [0, start, 0]).Commit()
+
+    def _bind_receives(self, view):
+        """Point the persistent receives at C-contiguous host array ``view`` (a no-op if they do).
+
+        Only the address is kept: a request is started only while an array of the
+        plan's padded shape lives there, so it never writes to memory the program freed.
+        """
+        address = view.ctypes.data
+        if address == self._bound_address:
+            return
+        for request in self._recv_requests:
+            request.Free()
+        memory = mpi().buffer.fromaddress(address, view.nbytes)  # holds no reference to the array
+        self._recv_requests = [self._comm.Recv_init([memory, 1, datatype], source=peer, tag=tag)
+                               for (peer, tag, _), datatype in zip(self._recvs, self._recv_types)]
+        self._requests = self._recv_requests + self._send_requests
+        self._bound_address = address
 
     def _buffer(self, like):
         """A contiguous buffer for one halo: NumPy on the host, pinned host memory or device memory."""
@@ -340,8 +370,17 @@ class HaloPlan:
         self._check_usable()
         self._check_array(padded, self.padded_shape, "padded")
         working = self._working(padded)
-        self._fill_local(working)
-        self._pack(working, self._send_rows, self._send_buffers)
+        if self.transport == "host":
+            if not working.flags.c_contiguous:
+                raise ValueError("padded must be C-contiguous for this plan; plan.empty() makes one")
+            self._fill_local_host(working)
+            for rows, buffer in zip(self._send_rows, self._send_buffers):
+                np.copyto(buffer, working[rows])
+            if self._recvs:
+                self._bind_receives(working)
+        else:
+            self._fill_local(working)
+            self._pack(working, self._send_rows, self._send_buffers)
         if self._requests:
             mpi().Prequest.Startall(self._requests)
         self._in_flight = (padded, working)
@@ -353,7 +392,8 @@ class HaloPlan:
         (padded, working), self._in_flight = self._in_flight, None
         if self._requests:
             mpi().Request.Waitall(self._requests)
-        self._unpack(self._recv_buffers, working, self._recv_rows)
+        if self.transport != "host":
+            self._unpack(self._recv_buffers, working, self._recv_rows)
         return padded
 
     def exchange(self, padded):
@@ -375,8 +415,8 @@ class HaloPlan:
         self._check_array(x, self.shape, "x")
         if out is not None:
             self._check_array(out, self.padded_shape, "out")
-        if self.transport == "host" and out is None:
-            return self._pad_host(x)
+        if self.transport == "host":
+            return self._pad_host(x, out)
         if out is None:
             out = devices.empty(self.padded_shape, like=x)
         source, working = self._working(x), self._working(out)
@@ -390,24 +430,34 @@ class HaloPlan:
         self._unpack(self._recv_buffers, working, self._recv_rows)
         return out
 
-    def _pad_host(self, x):
-        """:meth:`pad` on the host into a reusable array, in NumPy operations only (the hot path)."""
+    def _pad_host(self, x, out):
+        """:meth:`pad` on the host, in NumPy operations only (the hot path)."""
         source = x if self.kind == "numpy" else devices.mpi_buffer(x)
+        if out is None:
+            padded = self._reusable_padded()
+            out = padded if self.kind == "numpy" else devices.from_numpy(padded, like=self._like)
+        else:
+            padded = devices.mpi_buffer(out)
+            if not padded.flags.c_contiguous:
+                raise ValueError("out must be C-contiguous for this plan; plan.empty() makes one")
         for rows, buffer in zip(self._send_rows_of_shard, self._send_buffers):
             np.copyto(buffer, source[rows])
         if self._requests:
+            if self._recvs:
+                self._bind_receives(padded)
             MPI = mpi()
             MPI.Prequest.Startall(self._requests)
             MPI.Request.Waitall(self._requests)
-        padded = self._reusable_padded()
         padded[self._interior] = source
+        self._fill_local_host(padded)
+        return out
+
+    def _fill_local_host(self, padded):
+        """:meth:`_fill_local` for a NumPy array."""
         for rows in self._zeros:
             padded[rows] = 0
         for rows, ghost in self._copies:
             padded[ghost] = padded[rows]
-        for buffer, rows in zip(self._recv_buffers, self._recv_rows):
-            padded[rows] = buffer
-        return padded if self.kind == "numpy" else devices.from_numpy(padded, like=self._like)
 
     def _reusable_padded(self):
         """Return a padded NumPy array for :meth:`pad`: last call's if the program dropped it.
@@ -460,10 +510,11 @@ class HaloPlan:
 
     # -- lifetime -------------------------------------------------------------
     def live_handles(self):
-        """Return how many MPI requests and communicators the plan holds (0s once freed)."""
+        """Return how many MPI requests, datatypes and communicators the plan holds (0s once freed)."""
         MPI = mpi()
         return {
             "requests": sum(r != MPI.REQUEST_NULL for r in self._requests),
+            "datatypes": sum(t != MPI.DATATYPE_NULL for t in self._recv_types),
             "communicators": int(self._comm != MPI.COMM_NULL),
         }
 
@@ -483,6 +534,8 @@ class HaloPlan:
             for request in self._requests:
                 if request != mpi().REQUEST_NULL:
                     request.Free()
+            for datatype in self._recv_types:
+                datatype.Free()
             self._comm.Free()
         self._send_buffers = self._recv_buffers = self._like = self._spare = None
 

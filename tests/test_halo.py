@@ -200,7 +200,7 @@ def test_cache_is_bounded_and_frees_evicted_plans(world):
         for width in range(2, 2 + halo._CACHE_SIZE):
             halo_exchange(np.zeros((2, 20, 3), np.float32), width, 1, manager=manager)
         assert len(halo._PLANS) <= halo._CACHE_SIZE
-        assert first.freed and first.live_handles() == {"requests": 0, "communicators": 0}
+        assert first.freed and first.live_handles() == {"requests": 0, "datatypes": 0, "communicators": 0}
     assert not [p for p in halo._PLANS.values() if p.manager is manager]
 
 
@@ -212,7 +212,7 @@ def test_manager_close_frees_plans(world):
     own.exchange(own.pad(x))
     manager.close()
     for plan in (cached, own):
-        assert plan.freed and plan.live_handles() == {"requests": 0, "communicators": 0}
+        assert plan.freed and plan.live_handles() == {"requests": 0, "datatypes": 0, "communicators": 0}
     with pytest.raises(RuntimeError, match="was freed"):
         own.exchange(np.zeros(own.padded_shape))
     with pytest.raises(RuntimeError, match="is closed"):
@@ -249,15 +249,16 @@ def test_ten_thousand_exchanges_leak_nothing(world):
         if expected is not None:
             assert np.array_equal(padded, expected)
         cached = [p for p in halo._PLANS.values() if p.manager is manager]
-        handles = [*plan._requests, plan._comm]
+        handles = [*plan._requests, *plan._recv_types, plan._comm]
         for p in cached:
-            handles += [*p._requests, p._comm]
+            handles += [*p._requests, *p._recv_types, p._comm]
         live = plan.live_handles()
-        assert live == {"requests": 0 if world.size == 1 else 4, "communicators": 1}, live
+        assert live == {"requests": 0 if world.size == 1 else 4, "datatypes": 0 if world.size == 1 else 2,
+                        "communicators": 1}, live
         plan.free()
     for p in [plan, *cached]:
-        assert p.live_handles() == {"requests": 0, "communicators": 0}
-    null = (MPI.REQUEST_NULL, MPI.COMM_NULL)
+        assert p.live_handles() == {"requests": 0, "datatypes": 0, "communicators": 0}
+    null = (MPI.REQUEST_NULL, MPI.DATATYPE_NULL, MPI.COMM_NULL)
     assert all(any(handle == n for n in null) for handle in handles)
 
 

@@ -103,6 +103,10 @@ def test_plan_misuse(manager):
         with pytest.raises(ValueError, match=r"padded must be a numpy array of shape \(6, 3\) and dtype float32 for "
                                              r"this plan, got a numpy array of shape \(4, 3\) and dtype float32"):
             plan.exchange(x)
+        with pytest.raises(ValueError, match=r"padded must be C-contiguous for this plan; plan.empty\(\) makes one"):
+            plan.exchange(np.zeros((3, 6), np.float32).T)
+        with pytest.raises(ValueError, match=r"out must be C-contiguous"):
+            plan.pad(x, np.zeros((3, 6), np.float32).T)
         with pytest.raises(ValueError, match=r"x must be a numpy array of shape \(4, 3\)"):
             plan.pad(np.zeros((4, 3)))
         with pytest.raises(RuntimeError, match=r"wait\(\) without start\(\)"):
