@@ -169,7 +169,7 @@ class HaloPlan:
     same order. Free the plan with :meth:`free` or a ``with`` block; closing
     the manager frees it as well.
 
-    :param x: This rank's unpadded shard (an example: shape, dtype and device count).
+    :param x: This rank's unpadded shard, or any array of its shape, dtype and device.
     :param halo_width: Ghost rows on each side.
     :param dim: Sharded dimension; default ``manager.shard_dim``.
     :param periodic: Wrap around the domain group's ends instead of padding with zeros.
@@ -306,7 +306,8 @@ class HaloPlan:
 
     def empty(self):
         """Return a new uninitialised padded array on the plan's device (local, not collective)."""
-        self._check_usable()
+        if self._freed:
+            self._check_usable()
         return devices.empty(self.padded_shape, like=self._like)
 
     # -- checks -------------------------------------------------------------
