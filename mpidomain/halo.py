@@ -7,11 +7,11 @@ halo_width, dim, periodic), PETSc-DMDA style: it validates the inputs across
 the domain group, finds the neighbours, and prepares the transfers:
 
 - host memory (NumPy, CPU Torch): the edge rows are packed into contiguous
-  NumPy buffers and sent; the neighbours' rows are received straight into
-  the padded array through MPI subarray datatypes; persistent requests.
-  scripts/bench_halo.py measures the alternatives: with MPICH, receiving
-  through a datatype costs about what a contiguous receive does, sending
-  through one costs more than one NumPy copy;
+  NumPy buffers and sent; large halos are received straight into the padded
+  array through MPI subarray datatypes, small ones into contiguous buffers
+  and copied; persistent requests. scripts/bench_halo.py measures the
+  alternatives: with MPICH, sending through a datatype costs more than one
+  NumPy copy;
 - device memory (CuPy, CUDA Torch): the halos are packed into contiguous
   device buffers (derived datatypes on device memory are slow in most MPI
   libraries) and handed to MPI directly when it is CUDA-aware, or staged
@@ -41,6 +41,10 @@ __all__ = ["HaloPlan", "halo_exchange"]
 _TO_NEXT = 1  # tag of rows travelling to the next rank (they fill its leading ghost rows)
 _TO_PREV = 2  # tag of rows travelling to the previous rank (they fill its trailing ghost rows)
 _CACHE_SIZE = 16
+# Host halos at least this large arrive straight in the padded array through a subarray datatype;
+# smaller ones in a contiguous buffer, then one copy. With MPICH on shared memory the datatype
+# saves the copy of a 1 MB halo but costs more than copying a 16 KB one (scripts/bench_halo.py).
+_IN_PLACE_RECEIVE_BYTES = 256 * 1024
 _TRANSPORT_OVERRIDE = None  # tests set "packed" or "staged" to run the device paths on host arrays
 _NUMBER_KINDS = "biufc"  # bool, signed, unsigned, float, complex
 
@@ -234,16 +238,18 @@ class HaloPlan:
         self._send_rows = [rows for _, _, rows in self._sends]
         self._recv_rows = [rows for _, _, rows in self._recvs]
         self._send_rows_of_shard = [self._shifted(rows) for rows in self._send_rows]
-        # Halos leave from contiguous buffers. On the host they arrive straight in the padded
+        # Halos leave from contiguous buffers. Large host halos arrive straight in the padded
         # array through subarray datatypes (persistent receives bound to its address, rebound
-        # when another array comes); elsewhere they arrive in contiguous buffers too.
+        # when another array comes); the others arrive in contiguous buffers too.
+        halo_bytes = int(np.prod(self._halo_shape())) * self._numpy_dtype.itemsize
+        self._receive_in_place = self.transport == "host" and halo_bytes >= _IN_PLACE_RECEIVE_BYTES
         self._send_buffers = [self._buffer(x) for _ in self._sends]
         self._send_requests = [self._comm.Send_init(self._mpi_message(MPI, buffer), dest=peer, tag=tag)
                                for (peer, tag, _), buffer in zip(self._sends, self._send_buffers)]
         self._recv_buffers = [self._buffer(x) for _ in self._recvs]
-        self._recv_types = [self._subarray(MPI, rows) for rows in self._recv_rows] if self.transport == "host" else []
+        self._recv_types = [self._subarray(MPI, rows) for rows in self._recv_rows] if self._receive_in_place else []
         self._bound_address = None
-        self._recv_requests = [] if self.transport == "host" else [
+        self._recv_requests = [] if self._receive_in_place else [
             self._comm.Recv_init(self._mpi_message(MPI, buffer), source=peer, tag=tag)
             for (peer, tag, _), buffer in zip(self._recvs, self._recv_buffers)]
         self._requests = self._recv_requests + self._send_requests
@@ -372,12 +378,12 @@ class HaloPlan:
         self._check_array(padded, self.padded_shape, "padded")
         working = self._working(padded)
         if self.transport == "host":
-            if not working.flags.c_contiguous:
-                raise ValueError("padded must be C-contiguous for this plan; plan.empty() makes one")
             self._fill_local_host(working)
             for rows, buffer in zip(self._send_rows, self._send_buffers):
                 np.copyto(buffer, working[rows])
-            if self._recvs:
+            if self._receive_in_place and self._recvs:
+                if not working.flags.c_contiguous:
+                    raise ValueError("padded must be C-contiguous for this plan; plan.empty() makes one")
                 self._bind_receives(working)
         else:
             self._fill_local(working)
@@ -393,7 +399,7 @@ class HaloPlan:
         (padded, working), self._in_flight = self._in_flight, None
         if self._requests:
             mpi().Request.Waitall(self._requests)
-        if self.transport != "host":
+        if not self._receive_in_place:
             self._unpack(self._recv_buffers, working, self._recv_rows)
         return padded
 
@@ -439,18 +445,21 @@ class HaloPlan:
             out = padded if self.kind == "numpy" else devices.from_numpy(padded, like=self._like)
         else:
             padded = devices.mpi_buffer(out)
-            if not padded.flags.c_contiguous:
-                raise ValueError("out must be C-contiguous for this plan; plan.empty() makes one")
         for rows, buffer in zip(self._send_rows_of_shard, self._send_buffers):
             np.copyto(buffer, source[rows])
         if self._requests:
-            if self._recvs:
+            if self._receive_in_place:
+                if not padded.flags.c_contiguous:
+                    raise ValueError("out must be C-contiguous for this plan; plan.empty() makes one")
                 self._bind_receives(padded)
             MPI = mpi()
             MPI.Prequest.Startall(self._requests)
             MPI.Request.Waitall(self._requests)
         padded[self._interior] = source
         self._fill_local_host(padded)
+        if not self._receive_in_place:
+            for buffer, rows in zip(self._recv_buffers, self._recv_rows):
+                padded[rows] = buffer
         return out
 
     def _fill_local_host(self, padded):

@@ -76,9 +76,15 @@ def all_cases(world):
                     yield d, h, periodic, uneven
 
 
+# Host halos arrive through subarray datatypes from _IN_PLACE_RECEIVE_BYTES on, else in buffers.
+RECEIVES = {"datatype receives": 0, "buffer receives": 1 << 60}
+
+
+@pytest.mark.parametrize("receive", sorted(RECEIVES))
 @pytest.mark.parametrize("kind", ["numpy", "torch"])
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_matches_global_reference(world, kind, layout):
+def test_matches_global_reference(world, monkeypatch, kind, layout, receive):
+    monkeypatch.setattr(halo, "_IN_PLACE_RECEIVE_BYTES", RECEIVES[receive])
     template, dim = LAYOUTS[layout]
     for d, h, periodic, uneven in all_cases(world):
         with DomainParallelManager(world.size, d, shard_dim=dim) as manager:
@@ -91,8 +97,10 @@ def test_matches_global_reference(world, kind, layout):
             assert np.array_equal(to_numpy(out), expected), case
 
 
+@pytest.mark.parametrize("receive", sorted(RECEIVES))
 @pytest.mark.parametrize("kind", ["numpy", "torch"])
-def test_plan_refreshes_ghosts_in_place(world, kind):
+def test_plan_refreshes_ghosts_in_place(world, monkeypatch, kind, receive):
+    monkeypatch.setattr(halo, "_IN_PLACE_RECEIVE_BYTES", RECEIVES[receive])
     template, dim = LAYOUTS["4d-dim-2"]
     for d, h, periodic, uneven in all_cases(world):
         with DomainParallelManager(world.size, d) as manager:
@@ -224,8 +232,9 @@ def _rss_bytes():
         return int(statm.read().split()[1]) * 4096
 
 
-def test_ten_thousand_exchanges_leak_nothing(world):
+def test_ten_thousand_exchanges_leak_nothing(world, monkeypatch):
     """6,000 in-place exchanges and 4,000 halo_exchange calls: flat memory, no MPI handles left."""
+    monkeypatch.setattr(halo, "_IN_PLACE_RECEIVE_BYTES", 0)  # datatypes too
     with DomainParallelManager(world.size, world.size) as manager:
         x = np.arange(2 * 4 * 8, dtype=np.float32).reshape(2, 4, 8)
         plan = HaloPlan(x, 1, 1, periodic=True, manager=manager)
@@ -262,8 +271,10 @@ def test_ten_thousand_exchanges_leak_nothing(world):
     assert all(any(handle == n for n in null) for handle in handles)
 
 
+@pytest.mark.parametrize("receive", sorted(RECEIVES))
 @pytest.mark.parametrize("kind", ["numpy", "torch"])
-def test_pad_reuses_memory_only_once_dropped(world, kind):
+def test_pad_reuses_memory_only_once_dropped(world, monkeypatch, kind, receive):
+    monkeypatch.setattr(halo, "_IN_PLACE_RECEIVE_BYTES", RECEIVES[receive])
     with DomainParallelManager(world.size, world.size) as manager:
         shard, expected = local_case(manager, (2, "N", 3), 1, 1, True, True)
         x = as_kind(shard, kind)
