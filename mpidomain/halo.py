@@ -7,10 +7,11 @@ halo_width, dim, periodic), PETSc-DMDA style: it validates the inputs across
 the domain group, finds the neighbours, and prepares the transfers:
 
 - host memory (NumPy, CPU Torch): the edge rows are packed into contiguous
-  buffers and the ghost rows received straight into the padded array through
-  MPI subarray datatypes (the fastest mix measured by scripts/bench_halo.py:
-  sending from a datatype makes MPI pack far more slowly than one copy does),
-  over persistent requests;
+  NumPy buffers and sent; large halos are received straight into the padded
+  array through MPI subarray datatypes, small ones into contiguous buffers
+  and copied; persistent requests. scripts/bench_halo.py measures the
+  alternatives: with MPICH, sending through a datatype costs more than one
+  NumPy copy;
 - device memory (CuPy, CUDA Torch): the halos are packed into contiguous
   device buffers (derived datatypes on device memory are slow in most MPI
   libraries) and handed to MPI directly when it is CUDA-aware, or staged
@@ -40,6 +41,10 @@ __all__ = ["HaloPlan", "halo_exchange"]
 _TO_NEXT = 1  # tag of rows travelling to the next rank (they fill its leading ghost rows)
 _TO_PREV = 2  # tag of rows travelling to the previous rank (they fill its trailing ghost rows)
 _CACHE_SIZE = 16
+# Host halos at least this large arrive straight in the padded array through a subarray datatype;
+# smaller ones in a contiguous buffer, then one copy. With MPICH on shared memory the datatype
+# saves the copy of a 1 MB halo but costs more than copying a 16 KB one (scripts/bench_halo.py).
+_IN_PLACE_RECEIVE_BYTES = 256 * 1024
 _TRANSPORT_OVERRIDE = None  # tests set "packed" or "staged" to run the device paths on host arrays
 _NUMBER_KINDS = "biufc"  # bool, signed, unsigned, float, complex
 
@@ -168,7 +173,7 @@ class HaloPlan:
     same order. Free the plan with :meth:`free` or a ``with`` block; closing
     the manager frees it as well.
 
-    :param x: This rank's unpadded shard (an example: shape, dtype and device count).
+    :param x: This rank's unpadded shard, or any array of its shape, dtype and device.
     :param halo_width: Ghost rows on each side.
     :param dim: Sharded dimension; default ``manager.shard_dim``.
     :param periodic: Wrap around the domain group's ends instead of padding with zeros.
@@ -199,7 +204,7 @@ class HaloPlan:
         self.padded_shape = self.shape[:self.dim] + (n + 2 * h,) + self.shape[self.dim + 1:]
         self.transport = _choose_transport(x)
         self._device = devices.is_device_array(x)
-        self._itemsize = devices.numpy_dtype(x).itemsize
+        self._numpy_dtype = devices.numpy_dtype(x)
         self._like = devices.empty((0,), like=x)  # allocates padded arrays and buffers of x's kind
 
         size, rank = comm.Get_size(), comm.Get_rank()
@@ -227,23 +232,26 @@ class HaloPlan:
 
         MPI = mpi()
         self._comm = comm.Dup()  # halo traffic never meets any other message
-        self._datatypes = {}
-        self._recv_requests = []
-        self._bound = None  # (pointer, array) the host path's receive requests point into
         self._in_flight = None
-        self._adjoint_buffers = None
         self._spare = None  # the last padded host array pad() returned, reused once the program drops it
         self._freed = False
+        self._send_rows = [rows for _, _, rows in self._sends]
+        self._recv_rows = [rows for _, _, rows in self._recvs]
+        self._send_rows_of_shard = [self._shifted(rows) for rows in self._send_rows]
+        # Halos leave from contiguous buffers. Large host halos arrive straight in the padded
+        # array through subarray datatypes (persistent receives bound to its address, rebound
+        # when another array comes); the others arrive in contiguous buffers too.
+        halo_bytes = int(np.prod(self._halo_shape())) * self._numpy_dtype.itemsize
+        self._receive_in_place = self.transport == "host" and halo_bytes >= _IN_PLACE_RECEIVE_BYTES
         self._send_buffers = [self._buffer(x) for _ in self._sends]
-        self._send_requests = [self._comm.Send_init(self._mpi_message(MPI, buf), dest=peer, tag=tag)
-                               for (peer, tag, _), buf in zip(self._sends, self._send_buffers)]
-        if self.transport == "host":
-            for _, _, rows in self._recvs:
-                self._datatypes[rows[-1].start] = self._subarray(MPI, rows[-1].start)
-        else:
-            self._recv_buffers = [self._buffer(x) for _ in self._recvs]
-            self._recv_requests = [self._comm.Recv_init(self._mpi_message(MPI, buf), source=peer, tag=tag)
-                                   for (peer, tag, _), buf in zip(self._recvs, self._recv_buffers)]
+        self._send_requests = [self._comm.Send_init(self._mpi_message(MPI, buffer), dest=peer, tag=tag)
+                               for (peer, tag, _), buffer in zip(self._sends, self._send_buffers)]
+        self._recv_buffers = [self._buffer(x) for _ in self._recvs]
+        self._recv_types = [self._subarray(MPI, rows) for rows in self._recv_rows] if self._receive_in_place else []
+        self._bound_address = None
+        self._recv_requests = [] if self._receive_in_place else [
+            self._comm.Recv_init(self._mpi_message(MPI, buffer), source=peer, tag=tag)
+            for (peer, tag, _), buffer in zip(self._recvs, self._recv_buffers)]
         self._requests = self._recv_requests + self._send_requests
         _LIVE.add(self)
         if manager not in _WATCHED:
@@ -257,22 +265,46 @@ class HaloPlan:
     def _halo_shape(self):
         return self.shape[:self.dim] + (self.halo_width,) + self.shape[self.dim + 1:]
 
-    def _subarray(self, MPI, start):
-        """Return the committed datatype of ``halo_width`` rows from ``start`` in a padded array."""
+    def _subarray(self, MPI, rows):
+        """The committed datatype of ``rows`` (a slice along ``dim``) of a C-contiguous padded array."""
         outer = int(np.prod(self.padded_shape[:self.dim]))
-        inner = int(np.prod(self.padded_shape[self.dim + 1:])) * self._itemsize
-        rows = self.padded_shape[self.dim]
-        return MPI.BYTE.Create_subarray([outer, rows, inner], [outer, self.halo_width, inner], [0, start, 0]).Commit()
+        inner = int(np.prod(self.padded_shape[self.dim + 1:])) * self._numpy_dtype.itemsize
+        sizes = [outer, self.padded_shape[self.dim], inner]
+        start = rows[-1].start
+        return MPI.BYTE.Create_subarray(sizes, [outer, self.halo_width, inner], [0, start, 0]).Commit()
+
+    def _bind_receives(self, view):
+        """Point the persistent receives at C-contiguous host array ``view`` (a no-op if they do).
+
+        Only the address is kept: a request is started only while an array of the
+        plan's padded shape lives there, so it never writes to memory the program freed.
+        """
+        address = view.ctypes.data
+        if address == self._bound_address:
+            return
+        for request in self._recv_requests:
+            request.Free()
+        memory = mpi().buffer.fromaddress(address, view.nbytes)  # holds no reference to the array
+        self._recv_requests = [self._comm.Recv_init([memory, 1, datatype], source=peer, tag=tag)
+                               for (peer, tag, _), datatype in zip(self._recvs, self._recv_types)]
+        self._requests = self._recv_requests + self._send_requests
+        self._bound_address = address
 
     def _buffer(self, like):
+        """A contiguous buffer for one halo: NumPy on the host, pinned host memory or device memory."""
         if self.transport == "host":
-            return np.empty(self._halo_shape(), devices.numpy_dtype(like))
+            return np.empty(self._halo_shape(), self._numpy_dtype)
         if self.transport == "staged":
-            return devices.pinned_empty(self._halo_shape(), devices.numpy_dtype(like), like=like)
+            return devices.pinned_empty(self._halo_shape(), self._numpy_dtype, like=like)
         return devices.empty(self._halo_shape(), like=like)
 
     def _mpi_message(self, MPI, buffer):
         return [devices.mpi_buffer(devices.byte_view(buffer)), MPI.BYTE]
+
+    def _shifted(self, rows):
+        """Rows of the padded array, as rows of the unpadded shard."""
+        span = rows[-1]
+        return self._rows(span.start - self.halo_width, span.stop - self.halo_width)
 
     def interior(self, padded):
         """Return the view of ``padded``'s local rows (everything but the ghost rows)."""
@@ -280,13 +312,16 @@ class HaloPlan:
 
     def empty(self):
         """Return a new uninitialised padded array on the plan's device (local, not collective)."""
-        self._check_usable()
+        if self._freed:
+            self._check_usable()
         return devices.empty(self.padded_shape, like=self._like)
 
     # -- checks -------------------------------------------------------------
     def _check_usable(self):
         if self._freed:
             raise RuntimeError("this HaloPlan was freed (by free(), its manager's close() or halo_exchange's cache); build a new one")
+        if self._in_flight is not None:
+            raise RuntimeError("an exchange is in flight on this plan; call plan.wait() first")
 
     def _check_array(self, array, shape, what):
         kind = devices.array_kind(array)
@@ -295,16 +330,15 @@ class HaloPlan:
                 f"{what} must be a {self.kind} array of shape {shape} and dtype {self.dtype} for this plan, got "
                 f"a {kind} array of shape {tuple(array.shape)} and dtype {array.dtype}; build a plan for it"
             )
-        if devices.is_device_array(array) != self._device:
+        if kind != "numpy" and devices.is_device_array(array) != self._device:
             raise ValueError(f"{what} is on another device than the plan's; build a plan for it")
 
-    def _host_view(self, padded, what="padded"):
-        view = devices.mpi_buffer(padded)
-        if not view.flags.c_contiguous:
-            raise ValueError(f"{what} must be C-contiguous for this plan; pass a contiguous array (plan.empty() makes one)")
-        return view
+    def _working(self, array):
+        """The array the transfers touch: a NumPy view of host memory, the device array itself."""
+        return devices.mpi_buffer(array) if self.transport == "host" else (
+            array.detach() if self.kind == "torch" else array)
 
-    # -- the forward exchange -------------------------------------------------
+    # -- moving halos ---------------------------------------------------------
     def _fill_local(self, array):
         """Zero the ghost rows at the domain's outer edges; copy the wrapped rows when D=1 and periodic."""
         for rows in self._zeros:
@@ -312,28 +346,48 @@ class HaloPlan:
         for source, ghost in self._copies:
             devices.assign(array[ghost], array[source])
 
+    def _pack(self, array, regions, buffers):
+        """Copy ``regions`` of ``array`` into contiguous ``buffers``, ready for MPI."""
+        for rows, buffer in zip(regions, buffers):
+            if self.transport == "staged":
+                devices.copy_to_host(array[rows], buffer)
+            else:
+                devices.assign(buffer, array[rows])
+        if self._device:
+            devices.synchronize(array)  # MPI must read finished data
+
+    def _unpack(self, buffers, array, regions):
+        """Copy contiguous ``buffers`` into ``regions`` of ``array``."""
+        for buffer, rows in zip(buffers, regions):
+            if self.transport == "staged":
+                devices.copy_to_device(buffer, array[rows])
+            else:
+                devices.assign(array[rows], buffer)
+        if self.transport == "staged":
+            devices.synchronize(array)  # the next exchange reuses the pinned buffers
+
+    # -- the forward exchange -------------------------------------------------
     def start(self, padded):
         """Start refreshing ``padded``'s ghost rows in place; return at once.
 
         Collective over the domain group. The local rows may be read, and
-        other arrays computed, until :meth:`wait`; neither the ghost rows nor
-        the edge rows being sent may be written before it returns.
+        other arrays computed, until :meth:`wait`; the ghost rows may not be
+        touched before it returns.
         """
         self._check_usable()
-        if self._in_flight is not None:
-            raise RuntimeError("start() called twice without wait(); call plan.wait() first")
         self._check_array(padded, self.padded_shape, "padded")
-        working = padded.detach() if self.kind == "torch" else padded
+        working = self._working(padded)
         if self.transport == "host":
-            view = self._host_view(working)
-            self._fill_local(view)
-            for (_, _, rows), buffer in zip(self._sends, self._send_buffers):
-                np.copyto(buffer, view[rows])
-            if self._bound is None or self._bound[0] != view.ctypes.data:
-                self._bind(view)
+            self._fill_local_host(working)
+            for rows, buffer in zip(self._send_rows, self._send_buffers):
+                np.copyto(buffer, working[rows])
+            if self._receive_in_place and self._recvs:
+                if not working.flags.c_contiguous:
+                    raise ValueError("padded must be C-contiguous for this plan; plan.empty() makes one")
+                self._bind_receives(working)
         else:
             self._fill_local(working)
-            self._pack(working)
+            self._pack(working, self._send_rows, self._send_buffers)
         if self._requests:
             mpi().Prequest.Startall(self._requests)
         self._in_flight = (padded, working)
@@ -345,8 +399,8 @@ class HaloPlan:
         (padded, working), self._in_flight = self._in_flight, None
         if self._requests:
             mpi().Request.Waitall(self._requests)
-        if self.transport != "host":
-            self._unpack(working)
+        if not self._receive_in_place:
+            self._unpack(self._recv_buffers, working, self._recv_rows)
         return padded
 
     def exchange(self, padded):
@@ -361,78 +415,70 @@ class HaloPlan:
     def pad(self, x, out=None):
         """Return ``x`` with ghost rows on both sides along ``dim``, in ``out`` or a new array.
 
-        Collective over the domain group: every rank passes its shard. Copies
-        ``x`` into the interior once and receives the ghost rows in place.
+        Collective over the domain group: every rank passes its shard. The
+        halos travel first, then ``x`` is copied into the interior once.
         """
         self._check_usable()
         self._check_array(x, self.shape, "x")
-        if out is None:
-            out = self._new_padded()
-        else:
+        if out is not None:
             self._check_array(out, self.padded_shape, "out")
-        if self.transport != "host":
-            devices.assign(out[self._interior], x)
-            return self.exchange(out)
-        if self._in_flight is not None:
-            raise RuntimeError("pad() while an exchange is in flight; call plan.wait() first")
-        view, source = self._host_view(out, "out"), devices.mpi_buffer(x)
-        if self._sends:
-            # Send x's edge rows first, so they travel while the interior is copied. A new
-            # array each call: a plain receive on the cached datatype costs less than binding
-            # a persistent one to it (scripts/bench_halo.py measures both).
+        if self.transport == "host":
+            return self._pad_host(x, out)
+        if out is None:
+            out = devices.empty(self.padded_shape, like=x)
+        source, working = self._working(x), self._working(out)
+        self._pack(source, self._send_rows_of_shard, self._send_buffers)
+        if self._requests:
             MPI = mpi()
-            for (_, _, rows), buffer in zip(self._sends, self._send_buffers):
-                np.copyto(buffer, source[self._shifted(rows)])
-            comm, types = self._comm, self._datatypes
-            requests = [comm.Irecv([view, 1, types[rows[-1].start]], source=peer, tag=tag)
-                        for peer, tag, rows in self._recvs]
-            MPI.Prequest.Startall(self._send_requests)
-            view[self._interior] = source
-            self._fill_local(view)
-            MPI.Request.Waitall(requests + self._send_requests)
-        else:
-            view[self._interior] = source
-            self._fill_local(view)
+            MPI.Prequest.Startall(self._requests)
+            MPI.Request.Waitall(self._requests)
+        devices.assign(working[self._interior], source)
+        self._fill_local(working)
+        self._unpack(self._recv_buffers, working, self._recv_rows)
         return out
 
-    def _new_padded(self):
-        """Return a padded array for :meth:`pad`: on the host, last call's if the program dropped it.
+    def _pad_host(self, x, out):
+        """:meth:`pad` on the host, in NumPy operations only (the hot path)."""
+        source = x if self.kind == "numpy" else devices.mpi_buffer(x)
+        if out is None:
+            padded = self._reusable_padded()
+            out = padded if self.kind == "numpy" else devices.from_numpy(padded, like=self._like)
+        else:
+            padded = devices.mpi_buffer(out)
+        for rows, buffer in zip(self._send_rows_of_shard, self._send_buffers):
+            np.copyto(buffer, source[rows])
+        if self._requests:
+            if self._receive_in_place:
+                if not padded.flags.c_contiguous:
+                    raise ValueError("out must be C-contiguous for this plan; plan.empty() makes one")
+                self._bind_receives(padded)
+            MPI = mpi()
+            MPI.Prequest.Startall(self._requests)
+            MPI.Request.Waitall(self._requests)
+        padded[self._interior] = source
+        self._fill_local_host(padded)
+        if not self._receive_in_place:
+            for buffer, rows in zip(self._recv_buffers, self._recv_rows):
+                padded[rows] = buffer
+        return out
+
+    def _fill_local_host(self, padded):
+        """:meth:`_fill_local` for a NumPy array."""
+        for rows in self._zeros:
+            padded[rows] = 0
+        for rows, ghost in self._copies:
+            padded[ghost] = padded[rows]
+
+    def _reusable_padded(self):
+        """Return a padded NumPy array for :meth:`pad`: last call's if the program dropped it.
 
         Reusing it spares the page faults of a fresh allocation (most of the cost of
         padding a large shard); only the plan holding it is proof that nobody else does.
         """
-        if self._device:
-            return devices.empty(self.padded_shape, like=self._like)
         spare = self._spare
         if spare is None or sys.getrefcount(spare) > 3:  # held by self._spare, `spare` and the call only
-            spare = self._spare = np.empty(self.padded_shape, devices.numpy_dtype(self._like))
-        return devices.from_numpy(spare, like=self._like)
-
-    def _bind(self, view):
-        """Point the persistent receive requests at host array ``view`` (the host path)."""
-        self._free_requests(self._recv_requests)
-        comm, types = self._comm, self._datatypes
-        self._recv_requests = [comm.Recv_init([view, 1, types[rows[-1].start]], source=peer, tag=tag)
-                               for peer, tag, rows in self._recvs]
-        self._requests = self._recv_requests + self._send_requests
-        self._bound = (view.ctypes.data, view)
-
-    def _pack(self, padded):
-        for (_, _, rows), buffer in zip(self._sends, self._send_buffers):
-            if self.transport == "staged":
-                devices.copy_to_host(padded[rows], buffer)
-            else:
-                devices.assign(buffer, padded[rows])
-        devices.synchronize(padded)  # MPI must read finished data
-
-    def _unpack(self, padded):
-        for (_, _, rows), buffer in zip(self._recvs, self._recv_buffers):
-            if self.transport == "staged":
-                devices.copy_to_device(buffer, padded[rows])
-            else:
-                devices.assign(padded[rows], buffer)
-        if self.transport == "staged":
-            devices.synchronize(padded)  # the next exchange reuses the pinned buffers
+            spare = self._spare = np.empty(self.padded_shape, self._numpy_dtype)
+        return spare
 
     # -- the adjoint (backward) ---------------------------------------------------
     def adjoint(self, grad):
@@ -445,57 +491,32 @@ class HaloPlan:
         """
         self._check_usable()
         self._check_array(grad, self.padded_shape, "grad")
-        if self._in_flight is not None:
-            raise RuntimeError("adjoint() while an exchange is in flight; call plan.wait() first")
         if self.kind == "torch":
-            grad = grad.detach().contiguous()
-        elif self.kind == "numpy":
-            grad = np.ascontiguousarray(grad)
-        else:
-            import cupy
-
-            grad = cupy.ascontiguousarray(grad)
-        h = self.halo_width
+            grad = grad.detach()
         out = devices.empty(self.shape, like=grad)
         devices.assign(out, grad[self._interior])
         for source, ghost in self._copies:
             _add_into(out[self._shifted(source)], grad[ghost])
-        if not self._sends:
+        if not self._requests:
             return out
+        # Each forward message in reverse, same tag: the ghost rows' gradients (packed into
+        # the forward receive buffers) go back to their owners, arriving in the send buffers.
         MPI = mpi()
-        comm = self._comm
-        if self._adjoint_buffers is None:
-            self._adjoint_buffers = [self._buffer(grad) if self.transport == "staged"
-                                     else devices.empty(self._halo_shape(), like=grad) for _ in self._sends]
-        # Ghost rows go back where they came from: the reverse of each forward message, same tag.
-        if self.transport == "host":
-            view = self._host_view(grad, "grad")
-            outgoing = [[view, 1, self._datatypes[rows[-1].start]] for _, _, rows in self._recvs]
-        else:
-            for (_, _, rows), buffer in zip(self._recvs, self._recv_buffers):
-                if self.transport == "staged":
-                    devices.copy_to_host(grad[rows], buffer)
-                else:
-                    devices.assign(buffer, grad[rows])
-            devices.synchronize(grad)
-            outgoing = [self._mpi_message(MPI, buffer) for buffer in self._recv_buffers]
-        requests = [comm.Irecv(self._mpi_message(MPI, buffer), source=peer, tag=tag)
-                    for (peer, tag, _), buffer in zip(self._sends, self._adjoint_buffers)]
-        requests += [comm.Isend(message, dest=peer, tag=tag)
-                     for (peer, tag, _), message in zip(self._recvs, outgoing)]
+        self._pack(self._working(grad), self._recv_rows, self._recv_buffers)
+        requests = [self._comm.Irecv(self._mpi_message(MPI, buffer), source=peer, tag=tag)
+                    for (peer, tag, _), buffer in zip(self._sends, self._send_buffers)]
+        requests += [self._comm.Isend(self._mpi_message(MPI, buffer), dest=peer, tag=tag)
+                     for (peer, tag, _), buffer in zip(self._recvs, self._recv_buffers)]
         MPI.Request.Waitall(requests)
-        for (_, _, rows), buffer in zip(self._sends, self._adjoint_buffers):
+        for (_, _, rows), buffer in zip(self._sends, self._send_buffers):
             if self.transport == "staged":
                 buffer = devices.copy_to_device(buffer, devices.empty(self._halo_shape(), like=grad))
+            elif self.transport == "host":
+                buffer = devices.from_numpy(buffer, like=grad)
             _add_into(out[self._shifted(rows)], buffer)
-        if self.transport == "staged":
-            devices.synchronize(grad)
+        if self._device:
+            devices.synchronize(grad)  # the next exchange reuses the buffers
         return out
-
-    def _shifted(self, rows):
-        """Rows of the padded array, as rows of the unpadded shard."""
-        span = rows[-1]
-        return self._rows(span.start - self.halo_width, span.stop - self.halo_width)
 
     # -- lifetime -------------------------------------------------------------
     def live_handles(self):
@@ -503,18 +524,12 @@ class HaloPlan:
         MPI = mpi()
         return {
             "requests": sum(r != MPI.REQUEST_NULL for r in self._requests),
-            "datatypes": sum(t != MPI.DATATYPE_NULL for t in self._datatypes.values()),
+            "datatypes": sum(t != MPI.DATATYPE_NULL for t in self._recv_types),
             "communicators": int(self._comm != MPI.COMM_NULL),
         }
 
-    def _free_requests(self, requests):
-        for request in requests:
-            if request != mpi().REQUEST_NULL:
-                request.Free()
-        self._bound = None
-
     def free(self):
-        """Release the plan's MPI requests, datatypes, communicator and buffers; idempotent.
+        """Release the plan's MPI requests, communicator and buffers; idempotent.
 
         Collective over the domain group (it frees a communicator). Finishes
         an exchange still in flight first.
@@ -526,12 +541,13 @@ class HaloPlan:
         self._freed = True
         _LIVE.discard(self)
         if is_active():
-            self._free_requests(self._requests)
-            for datatype in self._datatypes.values():
+            for request in self._requests:
+                if request != mpi().REQUEST_NULL:
+                    request.Free()
+            for datatype in self._recv_types:
                 datatype.Free()
             self._comm.Free()
-        self._requests, self._recv_requests, self._send_requests = [], [], []
-        self._send_buffers = self._recv_buffers = self._adjoint_buffers = self._like = self._spare = None
+        self._send_buffers = self._recv_buffers = self._like = self._spare = None
 
     @property
     def freed(self):
@@ -567,8 +583,9 @@ def cached_plan(x, halo_width, dim=None, *, periodic=False, manager=None):
     """
     manager = _resolve_manager(manager)
     try:
-        key = (manager, devices.array_kind(x), str(x.dtype), str(getattr(x, "device", "cpu")), tuple(x.shape),
-               halo_width, dim, periodic, _TRANSPORT_OVERRIDE)
+        kind = devices.array_kind(x)
+        device = x.device if kind == "torch" else x.device.id if kind == "cupy" else None
+        key = (manager, kind, x.dtype, device, tuple(x.shape), halo_width, dim, periodic, _TRANSPORT_OVERRIDE)
         plan = _PLANS.get(key)
     except TypeError:  # not an array, or an unhashable argument: the plan build reports it on every rank
         key = plan = None

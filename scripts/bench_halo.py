@@ -7,18 +7,22 @@ Run under MPI with every rank in one domain group (latitude, dim -2, sharded)::
 
 Each rank holds one shard of the given shape (float32). Rows, per shape and halo width:
 
-- floor (numpy / torch): allocate the padded array and copy the shard into it, the least any
-  pad-and-exchange must do;
+- floor (numpy / torch): copy the shard into a preallocated padded array, the least any
+  pad-and-exchange must do; and, for information, a fresh allocation plus that copy (a large
+  fresh array page-faults on every call);
 - mpidomain pad-and-exchange, NumPy and Torch: ``halo_exchange(x, h)``;
-- pad-and-exchange through persistent requests bound to each new array (the alternative the
-  plan's ``pad`` does not take);
+- the same into a freshly allocated output each call (``halo_exchange`` reuses the previous
+  output once the program dropped it);
 - hand-written mpi4py: pack contiguous halos, Isend/Irecv, then concatenate;
 - CREDIT's exchange on torch.distributed gloo: P2POps, batch_isend_irecv, then torch.cat;
-- raw transfer: persistent Isend/Irecv of contiguous buffers holding the same halo bytes;
-- in-place plan: ``plan.exchange(padded)`` (subarray datatypes), and the same with packed halos.
+- raw transfer: persistent requests moving contiguous buffers holding the same halo bytes;
+  and, the alternative to packing, the same rows of padded arrays described by MPI subarray
+  datatypes, on the receiving side only or on both sides;
+- in-place plan: ``plan.exchange(padded)`` (packs the edge rows, sends, copies the received rows
+  into the ghost rows).
 
-Times are medians over repetitions (each started after a barrier) of the slowest rank.
-Targets (2 ranks) are printed as pass/miss.
+Times are medians (and minima) over repetitions, each call started after a barrier, of the
+slowest rank; ratios compare medians. Targets (2 ranks) are printed as pass/miss.
 """
 
 import argparse
@@ -35,22 +39,28 @@ from mpi4py import MPI
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import mpidomain  # noqa: E402
-from mpidomain import halo  # noqa: E402
 
 WORLD = MPI.COMM_WORLD
 
 
-def timed(function, repetitions, warmup=3):
-    """Median seconds of ``function()`` on the slowest rank."""
-    for _ in range(warmup):
-        function()
-    times = []
+def timed(functions, repetitions, warmup=3):
+    """(median, min) seconds of each ``functions[name]()`` on the slowest rank, in a dict.
+
+    The functions take turns, one call each per round (every call after a barrier), so a
+    change in the machine's load hits them all alike rather than whichever ran then.
+    """
+    for function in functions.values():
+        for _ in range(warmup):
+            function()
+    times = {name: [] for name in functions}
     for _ in range(repetitions):
-        WORLD.Barrier()
-        start = time.perf_counter()
-        function()
-        times.append(time.perf_counter() - start)
-    return WORLD.allreduce(statistics.median(times), op=MPI.MAX)
+        for name, function in functions.items():
+            WORLD.Barrier()
+            start = time.perf_counter()
+            function()
+            times[name].append(time.perf_counter() - start)
+    return {name: (WORLD.allreduce(statistics.median(t), op=MPI.MAX), WORLD.allreduce(min(t), op=MPI.MAX))
+            for name, t in times.items()}
 
 
 def init_gloo():
@@ -115,6 +125,35 @@ def raw_transfer_requests(comm, plan):
     return requests, buffers
 
 
+def subarray_transfer_requests(comm, x, h, prev_rank, next_rank, both_sides):
+    """Persistent requests moving the halo rows into a padded array through a subarray datatype.
+
+    The rows leave a padded array through a datatype too (``both_sides``) or a contiguous buffer.
+    """
+    padded = np.zeros(x.shape[:-2] + (x.shape[-2] + 2 * h, x.shape[-1]), x.dtype)
+    sizes = [int(np.prod(x.shape[:-2])), padded.shape[-2], x.shape[-1] * x.itemsize]
+
+    def rows(start):
+        return MPI.BYTE.Create_subarray(sizes, [sizes[0], h, sizes[2]], [0, start, 0]).Commit()
+
+    n = x.shape[-2]
+    types, requests = [], []
+    contiguous = np.ones(sizes[0] * h * sizes[2], np.uint8)
+    for peer, send_start, recv_start, send_tag, recv_tag in ((prev_rank, h, 0, 2, 1), (next_rank, n, n + h, 1, 2)):
+        if peer is None:
+            continue
+        recv = rows(recv_start)
+        types.append(recv)
+        requests.append(comm.Recv_init([padded, 1, recv], source=peer, tag=recv_tag))
+        if both_sides:
+            send = rows(send_start)
+            types.append(send)
+            requests.append(comm.Send_init([padded, 1, send], dest=peer, tag=send_tag))
+        else:
+            requests.append(comm.Send_init(contiguous, dest=peer, tag=send_tag))
+    return requests, types
+
+
 def bench(shape, h, repetitions, manager, rows):
     dim = -2
     rng = np.random.default_rng(WORLD.rank)
@@ -124,57 +163,62 @@ def bench(shape, h, repetitions, manager, rows):
     comm = manager.domain_comm.Dup()
     prev_rank, next_rank = manager.neighbor_ranks()
 
+    preallocated = np.zeros(padded_shape, np.float32)
+    preallocated_torch = torch.zeros(padded_shape, dtype=torch.float32)
+
     def floor_numpy():
+        np.copyto(preallocated[..., h:-h, :], x)
+
+    def floor_torch():
+        preallocated_torch[..., h:-h, :].copy_(xt)
+
+    def fresh_numpy():
         out = np.empty(padded_shape, np.float32)
         out[..., h:-h, :] = x
         return out
 
-    def floor_torch():
+    def fresh_torch():
         out = torch.empty(padded_shape, dtype=torch.float32)
         out[..., h:-h, :].copy_(xt)
         return out
 
     plan = mpidomain.HaloPlan(x, h, dim, manager=manager)
-
-    def rebinding():
-        out = plan.empty()
-        plan.interior(out)[...] = x
-        return plan.exchange(out)
-
     padded = plan.pad(x)
-    halo._TRANSPORT_OVERRIDE = "packed"
-    packed_plan = mpidomain.HaloPlan(x, h, dim, manager=manager)
-    halo._TRANSPORT_OVERRIDE = None
-    packed_padded = packed_plan.pad(x)
     raw_requests, _buffers = raw_transfer_requests(comm, plan)
+    subarray_requests, subarray_types = subarray_transfer_requests(comm, x, h, prev_rank, next_rank, True)
+    receive_only_requests, receive_only_types = subarray_transfer_requests(comm, x, h, prev_rank, next_rank, False)
 
-    def raw():
-        MPI.Prequest.Startall(raw_requests)
-        MPI.Request.Waitall(raw_requests)
+    def run(requests):
+        MPI.Prequest.Startall(requests)
+        MPI.Request.Waitall(requests)
 
     # Same results before timing anything.
     ours = mpidomain.halo_exchange(x, h, dim)
     assert np.array_equal(ours, mpi4py_exchange(comm, x, h, prev_rank, next_rank))
     assert np.array_equal(mpidomain.halo_exchange(xt, h, dim).numpy(), ours)
     assert np.array_equal(credit_gloo_exchange(xt, h, dim, prev_rank, next_rank).numpy(), ours)
-    assert np.array_equal(plan.exchange(padded), ours) and np.array_equal(packed_plan.exchange(packed_padded), ours)
+    assert np.array_equal(plan.exchange(padded), ours)
 
-    measured = {
-        "floor numpy": timed(floor_numpy, repetitions),
-        "floor torch": timed(floor_torch, repetitions),
-        "mpidomain pad+exchange numpy": timed(lambda: mpidomain.halo_exchange(x, h, dim), repetitions),
-        "mpidomain pad+exchange torch": timed(lambda: mpidomain.halo_exchange(xt, h, dim), repetitions),
-        "pad+exchange, persistent rebound": timed(rebinding, repetitions),
-        "hand-written mpi4py": timed(lambda: mpi4py_exchange(comm, x, h, prev_rank, next_rank), repetitions),
-        "CREDIT gloo": timed(lambda: credit_gloo_exchange(xt, h, dim, prev_rank, next_rank), repetitions),
-        "raw transfer": timed(raw, repetitions * 4),
-        "in-place plan (datatypes)": timed(lambda: plan.exchange(padded), repetitions * 4),
-        "in-place plan (packed)": timed(lambda: packed_plan.exchange(packed_padded), repetitions * 4),
-    }
-    for request in raw_requests:
-        request.Free()
+    measured = timed({
+        "floor numpy": floor_numpy,
+        "floor torch": floor_torch,
+        "fresh allocation + copy numpy": fresh_numpy,
+        "fresh allocation + copy torch": fresh_torch,
+        "mpidomain pad+exchange numpy": lambda: mpidomain.halo_exchange(x, h, dim),
+        "mpidomain pad+exchange torch": lambda: mpidomain.halo_exchange(xt, h, dim),
+        "pad+exchange, fresh output": lambda: plan.pad(x, np.empty(padded_shape, np.float32)),
+        "hand-written mpi4py": lambda: mpi4py_exchange(comm, x, h, prev_rank, next_rank),
+        "CREDIT gloo": lambda: credit_gloo_exchange(xt, h, dim, prev_rank, next_rank),
+    }, repetitions)
+    measured.update(timed({
+        "raw transfer": lambda: run(raw_requests),
+        "raw transfer, subarray receives": lambda: run(receive_only_requests),
+        "raw transfer, subarray both sides": lambda: run(subarray_requests),
+        "in-place plan": lambda: plan.exchange(padded),
+    }, repetitions * 4))
+    for handle in raw_requests + subarray_requests + subarray_types + receive_only_requests + receive_only_types:
+        handle.Free()
     plan.free()
-    packed_plan.free()
     comm.Free()
     large = shape[-2] * shape[-1] >= 100_000
     two = WORLD.size == 2
@@ -182,23 +226,24 @@ def bench(shape, h, repetitions, manager, rows):
     checks = [
         ("mpidomain pad+exchange numpy", "floor numpy", 1.15 if two and large else None, "<="),
         ("mpidomain pad+exchange torch", "floor torch", 1.15 if two and large else None, "<="),
-        ("pad+exchange, persistent rebound", "mpidomain pad+exchange numpy", None, "<="),
+        ("pad+exchange, fresh output", "mpidomain pad+exchange numpy", None, "<="),
         ("hand-written mpi4py", "mpidomain pad+exchange numpy", None, "<="),
         ("mpidomain pad+exchange numpy", "hand-written mpi4py", 1.5 if two and not large else None, "<="),
         ("CREDIT gloo", "mpidomain pad+exchange torch", (3 if large else 8) if two else None, ">="),
-        ("in-place plan (datatypes)", "raw transfer", 1.2 if two else None, "<="),
-        ("in-place plan (packed)", "in-place plan (datatypes)", None, "<="),
+        ("in-place plan", "raw transfer", 1.2 if two else None, "<="),
+        ("raw transfer, subarray receives", "in-place plan", None, "<="),
+        ("raw transfer, subarray both sides", "in-place plan", None, "<="),
     ]
     label = f"{shape} h={h}"
-    for name, time_s in measured.items():
-        rows.append((label, name, f"{time_s * 1e3:9.3f}", "", ""))
+    for name, (median, fastest) in measured.items():
+        rows.append((label, name, f"{median * 1e3:9.3f}", f"{fastest * 1e3:9.3f}", "", ""))
     for name, baseline, target, sense in checks:
-        ratio = m[name] / m[baseline]
+        ratio = m[name][0] / m[baseline][0]
         verdict = ""
         if target is not None:
             ok = ratio <= target if sense == "<=" else ratio >= target
             verdict = f"{'pass' if ok else 'MISS'} (target {sense} {target})"
-        rows.append((label, f"{name} / {baseline}", "", f"{ratio:6.2f}x", verdict))
+        rows.append((label, f"{name} / {baseline}", "", "", f"{ratio:6.2f}x", verdict))
 
 
 def main():
@@ -216,9 +261,9 @@ def main():
         print(f"ranks: {WORLD.size} (one domain group), float32, latitude (dim -2) sharded, torch threads 1")
         print(f"MPI: {MPI.Get_library_version().splitlines()[0]}; mpi4py {__import__('mpi4py').__version__}; "
               f"torch {torch.__version__}; numpy {np.__version__}; {os.cpu_count()} cores")
-        print(f"{'case':26} {'measurement':60} {'median ms':>9} {'ratio':>7}  verdict")
-        for label, name, ms, ratio, verdict in rows:
-            print(f"{label:26} {name:60} {ms:>9} {ratio:>7}  {verdict}")
+        print(f"{'case':24} {'measurement (ratios of medians)':58} {'median ms':>9} {'min ms':>9} {'ratio':>7}  verdict")
+        for label, name, median, fastest, ratio, verdict in rows:
+            print(f"{label:24} {name:58} {median:>9} {fastest:>9} {ratio:>7}  {verdict}")
     torch.distributed.destroy_process_group()
     manager.close()
 

@@ -76,9 +76,15 @@ def all_cases(world):
                     yield d, h, periodic, uneven
 
 
+# Host halos arrive through subarray datatypes from _IN_PLACE_RECEIVE_BYTES on, else in buffers.
+RECEIVES = {"datatype receives": 0, "buffer receives": 1 << 60}
+
+
+@pytest.mark.parametrize("receive", sorted(RECEIVES))
 @pytest.mark.parametrize("kind", ["numpy", "torch"])
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_matches_global_reference(world, kind, layout):
+def test_matches_global_reference(world, monkeypatch, kind, layout, receive):
+    monkeypatch.setattr(halo, "_IN_PLACE_RECEIVE_BYTES", RECEIVES[receive])
     template, dim = LAYOUTS[layout]
     for d, h, periodic, uneven in all_cases(world):
         with DomainParallelManager(world.size, d, shard_dim=dim) as manager:
@@ -91,8 +97,10 @@ def test_matches_global_reference(world, kind, layout):
             assert np.array_equal(to_numpy(out), expected), case
 
 
+@pytest.mark.parametrize("receive", sorted(RECEIVES))
 @pytest.mark.parametrize("kind", ["numpy", "torch"])
-def test_plan_refreshes_ghosts_in_place(world, kind):
+def test_plan_refreshes_ghosts_in_place(world, monkeypatch, kind, receive):
+    monkeypatch.setattr(halo, "_IN_PLACE_RECEIVE_BYTES", RECEIVES[receive])
     template, dim = LAYOUTS["4d-dim-2"]
     for d, h, periodic, uneven in all_cases(world):
         with DomainParallelManager(world.size, d) as manager:
@@ -113,7 +121,7 @@ def test_plan_refreshes_ghosts_in_place(world, kind):
                         assert plan.exchange(padded) is padded
                     assert np.array_equal(to_numpy(padded), expected), f"D={d} h={h} periodic={periodic} step={step}"
                 assert to_numpy(plan.interior(padded)).__array_interface__["data"][0] == interior_address
-                other = plan.pad(x)  # a second array rebinds the persistent requests
+                other = plan.pad(x)
                 assert np.array_equal(to_numpy(other), expected)
                 assert np.array_equal(to_numpy(plan.exchange(padded)), expected)
 
@@ -133,7 +141,7 @@ def test_uneven_era5_latitudes(world):
 
 @pytest.mark.parametrize("transport", ["packed", "staged"])
 def test_device_transports_on_host(world, monkeypatch, transport):
-    """The packed and staged paths (used for GPU memory) give the datatype path's results."""
+    """The packed and staged paths (used for GPU memory) give the host path's results."""
     torch = pytest.importorskip("torch")
     monkeypatch.setattr(halo, "_TRANSPORT_OVERRIDE", transport)
     template, dim = LAYOUTS["5d-dim3"]
@@ -224,8 +232,9 @@ def _rss_bytes():
         return int(statm.read().split()[1]) * 4096
 
 
-def test_ten_thousand_exchanges_leak_nothing(world):
+def test_ten_thousand_exchanges_leak_nothing(world, monkeypatch):
     """6,000 in-place exchanges and 4,000 halo_exchange calls: flat memory, no MPI handles left."""
+    monkeypatch.setattr(halo, "_IN_PLACE_RECEIVE_BYTES", 0)  # datatypes too
     with DomainParallelManager(world.size, world.size) as manager:
         x = np.arange(2 * 4 * 8, dtype=np.float32).reshape(2, 4, 8)
         plan = HaloPlan(x, 1, 1, periodic=True, manager=manager)
@@ -249,11 +258,12 @@ def test_ten_thousand_exchanges_leak_nothing(world):
         if expected is not None:
             assert np.array_equal(padded, expected)
         cached = [p for p in halo._PLANS.values() if p.manager is manager]
-        handles = [*plan._requests, *plan._datatypes.values(), plan._comm]
+        handles = [*plan._requests, *plan._recv_types, plan._comm]
         for p in cached:
-            handles += [*p._requests, *p._datatypes.values(), p._comm]
+            handles += [*p._requests, *p._recv_types, p._comm]
         live = plan.live_handles()
-        assert world.size == 1 or (live["requests"] == 4 and live["datatypes"] == 2), live
+        assert live == {"requests": 0 if world.size == 1 else 4, "datatypes": 0 if world.size == 1 else 2,
+                        "communicators": 1}, live
         plan.free()
     for p in [plan, *cached]:
         assert p.live_handles() == {"requests": 0, "datatypes": 0, "communicators": 0}
@@ -261,8 +271,10 @@ def test_ten_thousand_exchanges_leak_nothing(world):
     assert all(any(handle == n for n in null) for handle in handles)
 
 
+@pytest.mark.parametrize("receive", sorted(RECEIVES))
 @pytest.mark.parametrize("kind", ["numpy", "torch"])
-def test_pad_reuses_memory_only_once_dropped(world, kind):
+def test_pad_reuses_memory_only_once_dropped(world, monkeypatch, kind, receive):
+    monkeypatch.setattr(halo, "_IN_PLACE_RECEIVE_BYTES", RECEIVES[receive])
     with DomainParallelManager(world.size, world.size) as manager:
         shard, expected = local_case(manager, (2, "N", 3), 1, 1, True, True)
         x = as_kind(shard, kind)
@@ -282,3 +294,56 @@ def test_pad_reuses_memory_only_once_dropped(world, kind):
         fourth = halo_exchange(x, 1, 1, periodic=True, manager=manager)  # dropped: its memory comes back
         assert to_numpy(fourth).__array_interface__["data"][0] == third_address
         assert np.array_equal(to_numpy(fourth), expected)
+
+
+@pytest.mark.parametrize("aware, transport", [(True, "packed"), (False, "staged")])
+def test_device_arrays_choose_by_cuda_awareness(monkeypatch, aware, transport):
+    monkeypatch.setattr(halo.devices, "is_device_array", lambda x: True)
+    monkeypatch.setattr(halo.devices, "cuda_aware_decision", lambda: halo.devices.CudaAwareDecision(aware, "test"))
+    assert halo._choose_transport(np.zeros(3)) == transport
+
+
+def _gpu_arrays():
+    """CUDA arrays of every installed kind, or [] (then the device tests skip on every rank alike)."""
+    makers = []
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            makers.append(lambda a: torch.from_numpy(a).cuda())
+    except ImportError:
+        pass
+    try:
+        import cupy
+
+        if cupy.cuda.runtime.getDeviceCount():
+            makers.append(cupy.asarray)
+    except Exception:  # no cupy, no driver or no device
+        pass
+    return makers
+
+
+@pytest.mark.parametrize("aware", ["0", "1"])
+def test_gpu_arrays_match_the_reference(world, monkeypatch, aware):
+    makers = _gpu_arrays()
+    if not makers:
+        pytest.skip("no CUDA device (torch or cupy)")
+    if aware == "1" and not halo.devices.cuda_aware_decision().enabled and world.size > 1:
+        pytest.skip("the MPI library is not CUDA-aware")
+    monkeypatch.setenv("MPIDOMAIN_CUDA_AWARE", aware)
+    halo.devices.cuda_aware_decision(refresh=True)
+    try:
+        for make in makers:
+            for d, h, periodic, uneven in all_cases(world):
+                with DomainParallelManager(world.size, d) as manager:
+                    shard, expected = local_case(manager, (2, 3, "N", 5), -2, h, periodic, uneven)
+                    x = make(shard)
+                    out = halo_exchange(x, h, -2, periodic=periodic, manager=manager)
+                    host = out.get() if hasattr(out, "get") else out.cpu().numpy()
+                    assert np.array_equal(host, expected)
+                    with HaloPlan(x, h, -2, periodic=periodic, manager=manager) as plan:
+                        assert plan.transport == ("packed" if aware == "1" else "staged")
+                        assert np.array_equal(halo.devices.copy_to_host(plan.exchange(out), np.empty(expected.shape, expected.dtype)), expected)
+    finally:
+        monkeypatch.delenv("MPIDOMAIN_CUDA_AWARE")
+        halo.devices.cuda_aware_decision(refresh=True)

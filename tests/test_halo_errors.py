@@ -4,7 +4,7 @@ one rank raises on every rank of the domain group, listing what each rank had; n
 import numpy as np
 import pytest
 
-from mpidomain import DomainParallelManager, HaloPlan, get_domain_parallel_manager, halo_exchange
+from mpidomain import DomainParallelManager, HaloPlan, get_domain_parallel_manager, halo, halo_exchange
 
 
 @pytest.fixture
@@ -97,22 +97,28 @@ def test_halo_wider_than_a_single_rank(manager):
         halo_exchange(np.zeros((4, 3)), 5, 0, periodic=True, manager=manager)
 
 
-def test_plan_misuse(manager):
+def test_plan_misuse(manager, monkeypatch):
+    monkeypatch.setattr(halo, "_IN_PLACE_RECEIVE_BYTES", 0)  # receives bound to a C-contiguous array
     x = np.zeros((4, 3), np.float32)
     with HaloPlan(x, 1, 0, manager=manager) as plan:
         with pytest.raises(ValueError, match=r"padded must be a numpy array of shape \(6, 3\) and dtype float32 for "
                                              r"this plan, got a numpy array of shape \(4, 3\) and dtype float32"):
             plan.exchange(x)
-        with pytest.raises(ValueError, match=r"padded must be C-contiguous"):
-            plan.exchange(np.zeros((3, 6), np.float32).T)
+        if manager.domain_parallel_size > 1:  # with one rank nothing is received
+            with pytest.raises(ValueError, match=r"padded must be C-contiguous for this plan; plan.empty\(\) makes one"):
+                plan.exchange(np.zeros((3, 6), np.float32).T)
+            with pytest.raises(ValueError, match=r"out must be C-contiguous"):
+                plan.pad(x, np.zeros((3, 6), np.float32).T)
         with pytest.raises(ValueError, match=r"x must be a numpy array of shape \(4, 3\)"):
             plan.pad(np.zeros((4, 3)))
         with pytest.raises(RuntimeError, match=r"wait\(\) without start\(\)"):
             plan.wait()
         padded = plan.pad(x)
         plan.start(padded)
-        with pytest.raises(RuntimeError, match=r"start\(\) called twice without wait\(\)"):
+        with pytest.raises(RuntimeError, match=r"an exchange is in flight on this plan; call plan.wait\(\) first"):
             plan.start(padded)
+        with pytest.raises(RuntimeError, match=r"an exchange is in flight"):
+            plan.pad(x)
         plan.wait()
     with pytest.raises(RuntimeError, match="this HaloPlan was freed"):
         plan.pad(x)
