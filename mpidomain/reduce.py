@@ -82,9 +82,8 @@ def reduce_array(x, op, comm):
 
 
 def _mpi_datatype(x):
-    from mpi4py.util import dtlib
-
-    return dtlib.from_numpy_dtype(devices.numpy_dtype(x))
+    """Return the predefined MPI datatype of ``x``'s elements (reductions need predefined types)."""
+    return mpi().Datatype.fromcode(devices.numpy_dtype(x).char)
 
 
 def _as_float32(x):
