@@ -299,7 +299,7 @@ def gather_tensor(x, dim=-2, manager=None, *, out=None):
     rank = comm.Get_rank()
     offsets = list(itertools.accumulate([0] + counts[:-1]))
     full_shape = tuple(x.shape[:dim]) + (sum(counts),) + tuple(x.shape[dim + 1:])
-    x = devices.contiguous(x)
+    x = devices.contiguous(x.detach() if devices.array_kind(x) == "torch" else x)
     if out is None and not (devices.is_device_array(x) and not _staged(x)):
         out = devices.empty(full_shape, like=x)
     itemsize = devices.numpy_dtype(x).itemsize

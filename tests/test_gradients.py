@@ -119,3 +119,23 @@ def test_disagreeing_gradients_raise_everywhere(world):
     model, _ = _gradients(world.rank)
     assert allreduce_gradients(model, group=world) == 1  # the group is still in step
     assert MPI.COMM_WORLD.allreduce(1) == world.size
+
+
+@pytest.mark.parametrize("cuda_aware", [False, True])
+def test_cuda_gradients(world, monkeypatch, cuda_aware):
+    if not world.allreduce(bool(torch.cuda.is_available())) == world.size:
+        pytest.skip("needs a CUDA device on every rank")
+    monkeypatch.setenv("MPIDOMAIN_CUDA_AWARE", "1" if cuda_aware else "0")
+    devices.cuda_aware_decision(refresh=True)
+    try:
+        model, _ = _gradients(world.rank)
+        model.cuda()
+        allreduce_gradients(model, group=world, bucket_bytes=200)
+        everyone = [_gradients(r)[1] for r in range(world.size)]
+        for index, param in enumerate(model.parameters()):
+            if param.grad is not None:
+                assert param.grad.is_cuda
+                assert torch.allclose(param.grad.cpu(), torch.stack([g[index] for g in everyone]).mean(0), rtol=1e-12)
+    finally:
+        monkeypatch.delenv("MPIDOMAIN_CUDA_AWARE")
+        devices.cuda_aware_decision(refresh=True)

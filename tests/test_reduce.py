@@ -2,7 +2,6 @@
 
 import numpy as np
 import pytest
-from mpi4py import MPI
 
 from mpidomain import DomainParallelManager, allreduce, devices
 from mpidomain.reduce import group_communicator
@@ -123,3 +122,22 @@ def test_gradient_matches_single_process(world, op):
     reduced = {"sum": stacked.sum(0), "mean": stacked.mean(0), "max": stacked.amax(0), "min": stacked.amin(0)}[op]
     sum((reduced * w).sum() for w in weights).backward()
     assert torch.allclose(x.grad, everyone[world.rank].grad, rtol=1e-12)
+
+
+@pytest.mark.parametrize("cuda_aware", [False, True])
+def test_cuda_tensors(world, monkeypatch, cuda_aware):
+    torch = pytest.importorskip("torch")
+    if not world.allreduce(bool(torch.cuda.is_available())) == world.size:
+        pytest.skip("needs a CUDA device on every rank")
+    monkeypatch.setenv("MPIDOMAIN_CUDA_AWARE", "1" if cuda_aware else "0")
+    devices.cuda_aware_decision(refresh=True)
+    try:
+        stacked = torch.from_numpy(np.stack([_value(r) for r in range(world.size)]))
+        x = torch.from_numpy(_value(world.rank)).cuda().requires_grad_()
+        y = allreduce(x, "sum", world)
+        assert y.is_cuda and torch.allclose(y.cpu(), stacked.sum(0))
+        y.sum().backward()
+        assert torch.allclose(x.grad.cpu(), torch.full((3, 4), float(world.size), dtype=torch.float64))
+    finally:
+        monkeypatch.delenv("MPIDOMAIN_CUDA_AWARE")
+        devices.cuda_aware_decision(refresh=True)

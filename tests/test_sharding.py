@@ -118,7 +118,7 @@ def test_device_paths_on_host_memory(world, monkeypatch, path):
                         lambda refresh=False: devices.CudaAwareDecision(path == "cuda-aware", "test"))
     d = world.size
     with DomainParallelManager(world.size, d) as m:
-        full = torch.randn(2, 3, 2 * d + 1, 5, generator=torch.Generator().manual_seed(1))
+        full = torch.randn(2, 3, 2 * d + 1, 5, generator=torch.Generator().manual_seed(1), requires_grad=True)
         for dim in (-2, -1, 0):
             mine = shard_tensor(full, dim, m, allow_uneven=True)
             assert torch.equal(gather_tensor(mine, dim, m), full)
