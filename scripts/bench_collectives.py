@@ -31,6 +31,7 @@ from mpi4py import MPI
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import mpidomain  # noqa: E402
+import mpidomain.abort  # noqa: E402
 from mpidomain import balanced_split, gather_tensor, scatter_tensor  # noqa: E402
 
 TARGET = 1.3
@@ -125,7 +126,7 @@ def _scatter_cases(comm, manager, shape, torch, dist):
         "gloo scatter (contiguous chunks)": gloo,
     }
     sums = [full[:, :, o:o + c].sum(dtype=np.float64) for o, c in zip(offsets, counts)] if rank == 0 else None
-    assert scatter_tensor(full, -2, 0, manager).sum(dtype=np.float64) == comm.bcast(sums)[rank]
+    assert np.isclose(scatter_tensor(full, -2, 0, manager).sum(dtype=np.float64), comm.bcast(sums)[rank], rtol=1e-9)
     return cases, []
 
 
@@ -159,6 +160,7 @@ def main():
     import torch
 
     torch.set_num_threads(1)
+    mpidomain.abort.install_abort_on_error()  # a failed check on one rank ends the job, not a hang
     comm = MPI.COMM_WORLD
     dist = _init_gloo(comm)
     shape = tuple(args.shape)
