@@ -64,7 +64,7 @@ def reduce_array(x, op, comm):
     dtype = devices.array_spec(x).dtype
     work = _as_float32(x) if dtype in _HALF else devices.contiguous(x)
     out = devices.empty(tuple(work.shape), like=work)
-    datatype = _mpi_datatype(work)
+    datatype = devices.mpi_datatype(work)
     MPI = mpi()
     operation = getattr(MPI, _MPI_OPS[op])
     if devices.is_device_array(work) and not devices.cuda_aware_decision().enabled:
@@ -79,11 +79,6 @@ def reduce_array(x, op, comm):
     if op == "mean":
         out /= comm.Get_size()
     return _cast(out, x) if dtype in _HALF else out
-
-
-def _mpi_datatype(x):
-    """Return the predefined MPI datatype of ``x``'s elements (reductions need predefined types)."""
-    return mpi().Datatype.fromcode(devices.numpy_dtype(x).char)
 
 
 def _as_float32(x):

@@ -141,3 +141,10 @@ def test_cuda_tensors(world, monkeypatch, cuda_aware):
     finally:
         monkeypatch.delenv("MPIDOMAIN_CUDA_AWARE")
         devices.cuda_aware_decision(refresh=True)
+
+
+def test_agrees(world):
+    from mpidomain._mpi import agrees
+
+    assert agrees(world, ("sum", (3, 4), "float32"))
+    assert agrees(world, world.rank == 0) == (world.size == 1)
