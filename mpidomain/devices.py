@@ -32,6 +32,7 @@ __all__ = [
     "ArraySpec",
     "array_spec",
     "contiguous",
+    "mpi_datatype",
     "CudaAwareDecision",
     "cuda_aware_decision",
 ]
@@ -266,6 +267,14 @@ def contiguous(x):
 
         return cupy.ascontiguousarray(x)
     return np.ascontiguousarray(x)
+
+
+def mpi_datatype(x):
+    """Return the predefined MPI datatype of ``x``'s elements (reductions need predefined types).
+
+    bfloat16 maps to ``MPI_UNSIGNED_SHORT``, as :func:`numpy_dtype` does: fine for moving data only.
+    """
+    return mpi().Datatype.fromcode(numpy_dtype(x).char)
 
 
 @dataclass(frozen=True)

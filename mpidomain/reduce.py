@@ -64,7 +64,7 @@ def reduce_array(x, op, comm):
     dtype = devices.array_spec(x).dtype
     work = _as_float32(x) if dtype in _HALF else devices.contiguous(x)
     out = devices.empty(tuple(work.shape), like=work)
-    datatype = _mpi_datatype(work)
+    datatype = devices.mpi_datatype(work)
     MPI = mpi()
     operation = getattr(MPI, _MPI_OPS[op])
     if devices.is_device_array(work) and not devices.cuda_aware_decision().enabled:
@@ -79,12 +79,6 @@ def reduce_array(x, op, comm):
     if op == "mean":
         out /= comm.Get_size()
     return _cast(out, x) if dtype in _HALF else out
-
-
-def _mpi_datatype(x):
-    from mpi4py.util import dtlib
-
-    return dtlib.from_numpy_dtype(devices.numpy_dtype(x))
 
 
 def _as_float32(x):

@@ -140,15 +140,6 @@ def shard_batch(batch, spatial_dims_5d=-2, spatial_dims_4d=-2, manager=None, *, 
     return sharded
 
 
-def _local_error(function):
-    """Run ``function``; return the TypeError/ValueError it raised, or None."""
-    try:
-        function()
-    except (TypeError, ValueError) as error:
-        return error
-    return None
-
-
 def _row_type(row_bytes, rows):
     """Return a committed datatype of ``rows`` contiguous rows of ``row_bytes`` bytes."""
     row = mpi().BYTE.Create_contiguous(row_bytes)
@@ -206,30 +197,64 @@ def _host_view(x):
     return devices.mpi_buffer(x)
 
 
-def _concatenate(blocks, dim):
+def _concatenate(blocks, dim, out=None):
     kind = devices.array_kind(blocks[0])
     if kind == "torch":
         import torch
 
-        return torch.cat(blocks, dim)
+        return torch.cat(blocks, dim, out=out)
     if kind == "cupy":
         import cupy
 
-        return cupy.concatenate(blocks, axis=dim)
-    return np.concatenate(blocks, axis=dim)
+        return cupy.concatenate(blocks, axis=dim, out=out)
+    return np.concatenate(blocks, axis=dim, out=out)
+
+
+def _exchange_reports(comm, describe):
+    """Return every rank's ``describe()`` (one allgather); if it raised on any rank, raise on every rank."""
+    error = report = None
+    try:
+        report = describe()
+    except (TypeError, ValueError) as exc:
+        error = exc
+    reports = comm.allgather((error is not None, report))
+    if any(failed for failed, _ in reports):
+        raise_on_all_ranks(comm, error)
+    return [report for _, report in reports]
+
+
+def _out_report(out):
+    """Describe a caller's ``out`` array for the agreement check: None, or (spec, shape, contiguous)."""
+    if out is None:
+        return None
+    contiguous = out.is_contiguous() if devices.array_kind(out) == "torch" else out.flags.c_contiguous
+    return devices.array_spec(out), tuple(out.shape), bool(contiguous)
+
+
+def _out_mismatch(function, outs, expected):
+    """Return a ValueError if some rank's ``out`` is not like its result ``expected[r] = (spec, shape)``."""
+    bad = [(rank, out, want) for rank, (out, want) in enumerate(zip(outs, expected))
+           if out is not None and (out[0] != want[0] or out[1] != want[1] or not out[2])]
+    if not bad:
+        return None
+    listing = "; ".join(
+        f"rank {rank}: needs a C-contiguous {want[0].kind} {want[0].dtype} array on {want[0].device} of shape "
+        f"{want[1]}, got {'a non-contiguous ' if not out[2] else ''}{out[0].kind} {out[0].dtype} on {out[0].device} "
+        f"of shape {out[1]}" for rank, out, want in bad)
+    return ValueError(f"{function}: out does not fit the result on every rank: {listing}; pass out=None or such an array")
 
 
 def _shards_mismatch(reports, dim_arg):
-    """Return a ValueError if the ranks' (shape, dtype, dim) cannot be joined along dim, else None."""
-    shapes = [shape for shape, _, _ in reports]
-    listing = ", ".join(f"rank {r}: shape {s} {t} dim {d}" for r, (s, t, d) in enumerate(reports))
-    if len({len(s) for s in shapes}) > 1 or len({d for _, _, d in reports}) > 1:
+    """Return a ValueError if the ranks' (shape, spec, dim) cannot be joined along dim, else None."""
+    shapes = [report[0] for report in reports]
+    listing = ", ".join(f"rank {r}: shape {s} {t.dtype} dim {d}" for r, (s, t, d, _) in enumerate(reports))
+    if len({len(s) for s in shapes}) > 1 or len({report[2] for report in reports}) > 1:
         return ValueError(
             f"gather_tensor needs the same number of dimensions and the same dim on every rank "
             f"(dim={dim_arg} here), got {listing}; pass shards of one array and the same dim"
         )
     dim = reports[0][2]
-    if len({s[:dim] + s[dim + 1:] for s in shapes}) > 1 or len({t for _, t, _ in reports}) > 1:
+    if len({s[:dim] + s[dim + 1:] for s in shapes}) > 1 or len({report[1].dtype for report in reports}) > 1:
         return ValueError(
             f"gather_tensor needs the same dtype and the same extents outside dim {dim} on every rank, "
             f"got {listing}; pass shards of one array, split only along dim"
@@ -237,53 +262,56 @@ def _shards_mismatch(reports, dim_arg):
     return None
 
 
-def _agreed_shards(comm, x, dim):
-    """Check ``x`` and ``dim`` on every rank of ``comm``; return ``(dim, counts)`` or raise on all ranks."""
-    local = {}
-
-    def describe():
-        local["dtype"] = devices.array_spec(x).dtype
-        local["dim"] = _checked_dim(dim, x.shape)
-
-    raise_on_all_ranks(comm, _local_error(describe))
-    reports = comm.allgather((tuple(x.shape), local["dtype"], local["dim"]))
+def _agreed_shards(comm, x, dim, out):
+    """Check ``x``, ``dim`` and ``out`` on every rank of ``comm``; return ``(dim, counts)`` or raise on all ranks."""
+    reports = _exchange_reports(
+        comm, lambda: (tuple(x.shape), devices.array_spec(x), _checked_dim(dim, x.shape), _out_report(out)))
     error = _shards_mismatch(reports, dim)
     if error is not None:
         raise error
-    return local["dim"], [shape[local["dim"]] for shape, _, _ in reports]
+    dim = reports[0][2]
+    counts = [report[0][dim] for report in reports]
+    full = tuple(reports[0][0][:dim]) + (sum(counts),) + tuple(reports[0][0][dim + 1:])
+    error = _out_mismatch("gather_tensor", [report[3] for report in reports], [(report[1], full) for report in reports])
+    if error is not None:
+        raise error
+    return dim, counts
 
 
-def gather_tensor(x, dim=-2, manager=None):
+def gather_tensor(x, dim=-2, manager=None, *, out=None):
     """Return the full array: every domain rank's shard of ``x`` joined along ``dim``.
 
     Collective over the domain group: call on all its ranks with the same
     ``dim``. Every rank gets the whole array, of ``x``'s kind, dtype and
     device (an all-gather; shards may differ in extent along ``dim``, as
-    ``shard_tensor(..., allow_uneven=True)`` makes them). Returns ``x``
-    itself when there is no manager or D=1 (CREDIT's semantics). Not
-    differentiable. A dtype, number of dimensions or extent outside ``dim``
-    that differs between ranks raises ValueError on every rank.
+    ``shard_tensor(..., allow_uneven=True)`` makes them), written into
+    ``out`` if given (a C-contiguous array like the result: reusing one
+    saves a fresh allocation per call). Returns ``x`` itself when there is
+    no manager or D=1 (CREDIT's semantics). Not differentiable. A dtype,
+    number of dimensions, extent outside ``dim`` or ``out`` that does not
+    fit raises ValueError on every rank.
     """
     manager = _active_manager(manager)
     if manager is None:
         return x
     comm = manager.domain_comm
-    dim, counts = _agreed_shards(comm, x, dim)
+    dim, counts = _agreed_shards(comm, x, dim, out)
     rank = comm.Get_rank()
     offsets = list(itertools.accumulate([0] + counts[:-1]))
     full_shape = tuple(x.shape[:dim]) + (sum(counts),) + tuple(x.shape[dim + 1:])
-    x = devices.contiguous(x)
+    x = devices.contiguous(x.detach() if devices.array_kind(x) == "torch" else x)
+    if out is None and not (devices.is_device_array(x) and not _staged(x)):
+        out = devices.empty(full_shape, like=x)
     itemsize = devices.numpy_dtype(x).itemsize
     outer, row_elements = math.prod(x.shape[:dim]), math.prod(x.shape[dim + 1:])
     if outer * row_elements * sum(counts) == 0:
-        return devices.empty(full_shape, like=x)
+        return devices.empty(full_shape, like=x) if out is None else out
     row_bytes = row_elements * itemsize
     send = _row_type(row_bytes, outer * counts[rank]) if counts[rank] else None
     send_types = [send if r != rank else None for r in range(len(counts))]
     try:
         if devices.is_device_array(x) and not _staged(x):
-            return _gather_device(comm, x, dim, counts, offsets, outer, row_elements, send_types)
-        out = devices.empty(full_shape, like=x)
+            return _gather_device(comm, x, dim, counts, offsets, outer, row_elements, send_types, out)
         host_out = devices.pinned_empty(full_shape, devices.numpy_dtype(x), like=x) if _staged(out) else devices.mpi_buffer(out)
         host_x = _host_view(x)
         recv_types = _placed_types(outer, row_bytes, counts, offsets, full_shape[dim])
@@ -301,7 +329,7 @@ def gather_tensor(x, dim=-2, manager=None):
         _free([send])
 
 
-def _gather_device(comm, x, dim, counts, offsets, outer, row_elements, send_types):
+def _gather_device(comm, x, dim, counts, offsets, outer, row_elements, send_types, out):
     """All-gather device shards as contiguous blocks (CUDA-aware MPI), then join them on the device.
 
     Strided datatypes on device memory are slow in most MPI libraries; one
@@ -331,37 +359,42 @@ def _gather_device(comm, x, dim, counts, offsets, outer, row_elements, send_type
             blocks.append(x)
         else:
             blocks.append(staging[start:start + size].reshape(tuple(x.shape[:dim]) + (count,) + tuple(x.shape[dim + 1:])))
-    return _concatenate(blocks, dim)
+    return _concatenate(blocks, dim, out)
 
 
-def _scatter_plan(comm, x, dim, root):
+def _scatter_plan(comm, x, dim, root, out):
     """Check the arguments on every rank; return the root's ``(spec, shape, dim)`` or raise on all ranks."""
     rank, size = comm.Get_rank(), comm.Get_size()
-    described = {}
 
     def describe():
         if not isinstance(root, numbers.Integral) or isinstance(root, bool):
             raise TypeError(f"root must be an int (a domain rank), got {root!r} ({type(root).__name__})")
         if not 0 <= root < size:
             raise ValueError(f"root={root} is not a domain rank; pass a root between 0 and {size - 1}")
-        if rank != root:
-            return
-        if x is None:
-            raise ValueError(
-                f"scatter_tensor got x=None on the root (domain rank {root}); the root must pass the full "
-                "array, the other ranks pass None"
-            )
-        described["plan"] = (devices.array_spec(x), tuple(x.shape), _checked_dim(dim, x.shape))
+        plan = None
+        if rank == root:
+            if x is None:
+                raise ValueError(
+                    f"scatter_tensor got x=None on the root (domain rank {root}); the root must pass the full "
+                    "array, the other ranks pass None"
+                )
+            plan = (devices.array_spec(x), tuple(x.shape), _checked_dim(dim, x.shape))
+        return root, dim, plan, _out_report(out)
 
-    raise_on_all_ranks(comm, _local_error(describe))
-    reports = comm.allgather((root, dim, described.get("plan")))
-    if len({(r, d) for r, d, _ in reports}) > 1:
-        listing = ", ".join(f"rank {r}: root={o} dim={d}" for r, (o, d, _) in enumerate(reports))
+    reports = _exchange_reports(comm, describe)
+    if len({(r, d) for r, d, _, _ in reports}) > 1:
+        listing = ", ".join(f"rank {r}: root={o} dim={d}" for r, (o, d, _, _) in enumerate(reports))
         raise ValueError(f"scatter_tensor needs the same root and dim on every rank, got {listing}")
-    return reports[root][2]
+    spec, shape, dim = reports[root][2]
+    counts, _ = balanced_split(shape[dim], size)
+    expected = [(spec, shape[:dim] + (count,) + shape[dim + 1:]) for count in counts]
+    error = _out_mismatch("scatter_tensor", [report[3] for report in reports], expected)
+    if error is not None:
+        raise error
+    return spec, shape, dim
 
 
-def scatter_tensor(x, dim=-2, root=0, manager=None):
+def scatter_tensor(x, dim=-2, root=0, manager=None, *, out=None):
     """Return this domain rank's shard of the array that domain rank ``root`` holds.
 
     Collective over the domain group: call on all its ranks with the same
@@ -369,10 +402,12 @@ def scatter_tensor(x, dim=-2, root=0, manager=None):
     None (anything they pass is ignored). Each rank receives only its own
     rows, split as :func:`balanced_split` (uneven extents allowed), so the
     full array never exists off the root; the result has the root's kind and
-    dtype (on this rank's current CUDA device if the root's is on a GPU), and
-    equals ``shard_tensor(full, dim, allow_uneven=True)``. Returns ``x`` when
-    there is no manager or D=1. Not differentiable. None on the root, a bad
-    ``root`` or ``dim``, or ranks disagreeing on them raise on every rank.
+    dtype (on this rank's current CUDA device if the root's is on a GPU),
+    equals ``shard_tensor(full, dim, allow_uneven=True)``, and is written
+    into ``out`` if given (a C-contiguous array like the result). Returns
+    ``x`` when there is no manager or D=1. Not differentiable. None on the
+    root, a bad ``root``, ``dim`` or ``out``, or ranks disagreeing on
+    ``root`` or ``dim`` raise on every rank.
     """
     manager = _active_manager(manager)
     if manager is None:
@@ -380,18 +415,22 @@ def scatter_tensor(x, dim=-2, root=0, manager=None):
             raise ValueError("scatter_tensor got x=None with no domain decomposition (no manager or D=1); pass the array")
         return x
     comm = manager.domain_comm
-    spec, shape, dim = _scatter_plan(comm, x, dim, root)
+    spec, shape, dim = _scatter_plan(comm, x, dim, root, out)
     rank = comm.Get_rank()
     counts, offsets = balanced_split(shape[dim], comm.Get_size())
     outer, row_elements = math.prod(shape[:dim]), math.prod(shape[dim + 1:])
     row_bytes = row_elements * _itemsize(spec)
     if rank == root:
         x = x.detach() if spec.kind == "torch" else x
-        mine = _copy_rows(x, dim, offsets[rank], counts[rank])
+        if out is None:
+            out = _copy_rows(x, dim, offsets[rank], counts[rank])
+        else:
+            out[...] = x[_rows(dim, offsets[rank], offsets[rank] + counts[rank])]
         if outer * row_bytes * shape[dim]:
             _scatter_send(comm, x, dim, counts, offsets, outer, row_bytes)
-        return mine
-    out = devices.empty(shape[:dim] + (counts[rank],) + shape[dim + 1:], spec)
+        return out
+    if out is None:
+        out = devices.empty(shape[:dim] + (counts[rank],) + shape[dim + 1:], spec)
     if outer * row_bytes * counts[rank] == 0:
         return out
     MPI = mpi()

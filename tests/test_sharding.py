@@ -118,7 +118,7 @@ def test_device_paths_on_host_memory(world, monkeypatch, path):
                         lambda refresh=False: devices.CudaAwareDecision(path == "cuda-aware", "test"))
     d = world.size
     with DomainParallelManager(world.size, d) as m:
-        full = torch.randn(2, 3, 2 * d + 1, 5, generator=torch.Generator().manual_seed(1))
+        full = torch.randn(2, 3, 2 * d + 1, 5, generator=torch.Generator().manual_seed(1), requires_grad=True)
         for dim in (-2, -1, 0):
             mine = shard_tensor(full, dim, m, allow_uneven=True)
             assert torch.equal(gather_tensor(mine, dim, m), full)
@@ -245,3 +245,28 @@ def test_scatter_errors_raise_everywhere(world):
         full = np.arange(16.0).reshape(4, 4)
         assert np.array_equal(scatter_tensor(full if m.domain_rank == 0 else None, 0, 0, m),
                               shard_tensor(full, 0, m, allow_uneven=True))
+
+
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+def test_out_arrays(world, kind):
+    with _world_split(world) as m:
+        full = _full((2, 3, 2 * world.size + 1, 4), seed=3, kind=kind)
+        mine = shard_tensor(full, manager=m, allow_uneven=True)
+        out = devices.empty(tuple(full.shape), like=full)
+        assert gather_tensor(mine, manager=m, out=out) is out and _equal(out, full)
+        shard_out = devices.empty(tuple(mine.shape), like=mine)
+        assert scatter_tensor(full if m.domain_rank == 0 else None, manager=m, out=shard_out) is shard_out
+        assert _equal(shard_out, mine)
+
+
+def test_bad_out_raises_everywhere(world):
+    with _world_split(world) as m:
+        mine = np.ones((2, 3, 4), np.float32)
+        out = np.empty((2, 3 + (m.domain_rank == 1), 4 * world.size), np.float32)
+        with pytest.raises(ValueError, match=r"gather_tensor: out does not fit the result on every rank: rank 1: "
+                                             r"needs a C-contiguous numpy float32 array on cpu of shape \(2, 3, \d+\), "
+                                             r"got numpy float32 on cpu of shape \(2, 4, \d+\)"):
+            gather_tensor(mine, -1, m, out=out)
+        wide = np.empty((2, 3, 8), np.float64)[:, :, ::2]
+        with pytest.raises(ValueError, match="rank 0: needs a C-contiguous numpy float32 .* got a non-contiguous numpy float64"):
+            scatter_tensor(np.ones((2, 3, 4 * world.size), np.float32), -1, 0, m, out=wide if m.domain_rank == 0 else None)

@@ -11,7 +11,7 @@ import torch
 
 from .. import devices
 from .._mpi import _ranges, agrees, mpi
-from ..reduce import _mpi_datatype, group_communicator
+from ..reduce import group_communicator
 
 __all__ = ["allreduce_gradients", "DEFAULT_BUCKET_BYTES"]
 
@@ -137,7 +137,7 @@ def _reduce_bucket(grads, op, comm, staging):
     for piece, grad in zip(flat.split(numels), grads):
         piece.copy_(grad.reshape(-1))
     MPI = mpi()
-    datatype = _mpi_datatype(flat)
+    datatype = devices.mpi_datatype(flat)
     if devices.is_device_array(flat) and not devices.cuda_aware_decision().enabled:
         size = flat.numel() * flat.element_size()
         if staging is None or staging.nbytes < size or staging.dtype != devices.numpy_dtype(flat):
