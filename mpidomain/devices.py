@@ -25,6 +25,10 @@ __all__ = [
     "pinned_empty",
     "copy_to_host",
     "copy_to_device",
+    "empty",
+    "assign",
+    "byte_view",
+    "from_numpy",
     "CudaAwareDecision",
     "cuda_aware_decision",
 ]
@@ -137,6 +141,8 @@ def copy_to_host(src, dst):
             view = view.view(torch.bfloat16)
         view.copy_(src.detach())
     elif kind == "cupy":
+        if not src.flags.c_contiguous:
+            src = src.copy()
         src.get(out=dst)
     else:
         np.copyto(dst, src)
@@ -154,10 +160,56 @@ def copy_to_device(src, dst):
             view = view.view(torch.bfloat16)
         dst.copy_(view, non_blocking=dst.device.type == "cuda")
     elif kind == "cupy":
-        dst.set(src)
+        if dst.flags.c_contiguous:
+            dst.set(src)
+        else:
+            dst[...] = sys.modules["cupy"].asarray(src)
     else:
         np.copyto(dst, src)
     return dst
+
+
+def empty(shape, like):
+    """Return an uninitialised C-contiguous array of ``shape`` with ``like``'s kind, dtype and device."""
+    kind = array_kind(like)
+    if kind == "torch":
+        return sys.modules["torch"].empty(shape, dtype=like.dtype, device=like.device)
+    if kind == "cupy":
+        with like.device:
+            return sys.modules["cupy"].empty(shape, dtype=like.dtype)
+    return np.empty(shape, dtype=like.dtype)
+
+
+def assign(dst, src):
+    """Copy ``src`` into ``dst`` (views welcome); both of the same kind and device. Returns ``dst``."""
+    if array_kind(dst) == "torch":
+        dst.copy_(src.detach())
+    else:
+        dst[...] = src
+    return dst
+
+
+def from_numpy(array, like):
+    """Return host NumPy ``array`` as an array of ``like``'s kind sharing its memory (CPU Torch or NumPy).
+
+    The inverse of :func:`mpi_buffer` for host arrays; bfloat16 comes back from its uint16 bytes.
+    """
+    if array_kind(like) != "torch":
+        return array
+    torch = sys.modules["torch"]
+    tensor = torch.from_numpy(array)
+    return tensor.view(torch.bfloat16) if like.dtype == torch.bfloat16 else tensor
+
+
+def byte_view(x):
+    """Return C-contiguous ``x`` as a flat uint8 array of the same memory (no copy), for ``MPI.BYTE``.
+
+    Any element type (bfloat16 included) then travels as raw bytes, on the host or the device.
+    """
+    kind = array_kind(x)
+    if kind == "torch":
+        return x.detach().reshape(-1).view(sys.modules["torch"].uint8)
+    return x.reshape(-1).view(np.uint8)
 
 
 @dataclass(frozen=True)

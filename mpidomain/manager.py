@@ -114,6 +114,7 @@ class DomainParallelManager:
         self._domain_group = self._domain_comm
         self._dp_group = self._dp_comm
         self._closed = False
+        self._close_callbacks = []
         logger.info(
             "domain parallel: rank %d, domain group %d (domain rank %d of %d), data-parallel rank %d of %d",
             rank, self._domain_group_idx, self._domain_rank, d, self._dp_rank, self.data_parallel_size,
@@ -226,6 +227,14 @@ class DomainParallelManager:
         index = self._domain_rank if index is None else index
         return list(range(index, self.world_size, self.domain_parallel_size))
 
+    def _add_close_callback(self, callback):
+        """Call ``callback(self)`` at :meth:`close`, before the communicators are freed.
+
+        For modules that keep MPI resources per manager (cached halo plans)
+        without the manager importing them.
+        """
+        self._close_callbacks.append(callback)
+
     def close(self):
         """Free the communicators. Collective over the parent communicator; idempotent."""
         global _MANAGER
@@ -234,6 +243,9 @@ class DomainParallelManager:
         self._closed = True
         if _MANAGER is self:
             _MANAGER = None
+        callbacks, self._close_callbacks = self._close_callbacks, []
+        for callback in callbacks:
+            callback(self)
         if is_active():
             for name in ("_domain_comm", "_dp_comm", "_node_comm", "_comm"):
                 getattr(self, name).Free()

@@ -63,3 +63,20 @@ def test_cuda_aware_auto_asks_the_library(monkeypatch):
     assert devices.cuda_aware_decision(refresh=True).enabled
     monkeypatch.delenv("MPICH_GPU_SUPPORT_ENABLED")
     devices.cuda_aware_decision(refresh=True)
+
+
+def test_empty_assign_and_views_keep_kind_and_memory():
+    torch = pytest.importorskip("torch")
+    for like in (np.zeros(2, np.float32), torch.zeros(2, dtype=torch.bfloat16)):
+        buffer = devices.empty((3, 4), like=like)
+        assert devices.array_kind(buffer) == devices.array_kind(like) and buffer.dtype == like.dtype
+        assert tuple(buffer.shape) == (3, 4)
+        source = torch.arange(12).reshape(3, 4).to(like.dtype) if devices.array_kind(like) == "torch" else \
+            np.arange(12, dtype=np.float32).reshape(3, 4)
+        devices.assign(buffer[1:], source[:2])
+        assert (buffer[1:] == source[:2]).all()
+        raw = devices.byte_view(buffer)
+        assert raw.dtype in (np.uint8, torch.uint8) and raw.shape[0] == 12 * (2 if like.dtype == torch.bfloat16 else 4)
+        host = devices.mpi_buffer(buffer)
+        back = devices.from_numpy(host, like=like)
+        assert back.dtype == like.dtype and devices.mpi_buffer(back).ctypes.data == host.ctypes.data

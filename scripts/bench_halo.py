@@ -1,0 +1,272 @@
+"""Benchmark the halo exchange against its floors and baselines, all measured in one run.
+
+Run under MPI with every rank in one domain group (latitude, dim -2, sharded)::
+
+    mpiexec -n 2 python scripts/bench_halo.py
+    mpiexec -n 4 python scripts/bench_halo.py
+
+Each rank holds one shard of the given shape (float32). Rows, per shape and halo width:
+
+- floor (numpy / torch): copy the shard into a preallocated padded array, the least any
+  pad-and-exchange must do; and, for information, a fresh allocation plus that copy (a large
+  fresh array page-faults on every call);
+- mpidomain pad-and-exchange, NumPy and Torch: ``halo_exchange(x, h)``;
+- the same into a freshly allocated output each call (``halo_exchange`` reuses the previous
+  output once the program dropped it);
+- hand-written mpi4py: pack contiguous halos, Isend/Irecv, then concatenate;
+- CREDIT's exchange on torch.distributed gloo: P2POps, batch_isend_irecv, then torch.cat;
+- raw transfer: persistent requests moving contiguous buffers holding the same halo bytes;
+  and, the alternative to packing, the same rows of padded arrays described by MPI subarray
+  datatypes, on the receiving side only or on both sides;
+- in-place plan: ``plan.exchange(padded)`` (packs the edge rows, sends, copies the received rows
+  into the ghost rows).
+
+Times are medians (and minima) over repetitions, each call started after a barrier, of the
+slowest rank; ratios compare medians. Targets (2 ranks) are printed as pass/miss.
+"""
+
+import argparse
+import os
+import socket
+import statistics
+import sys
+import time
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import mpidomain  # noqa: E402
+
+WORLD = MPI.COMM_WORLD
+
+
+def timed(functions, repetitions, warmup=3):
+    """(median, min) seconds of each ``functions[name]()`` on the slowest rank, in a dict.
+
+    The functions take turns, one call each per round (every call after a barrier), so a
+    change in the machine's load hits them all alike rather than whichever ran then.
+    """
+    for function in functions.values():
+        for _ in range(warmup):
+            function()
+    times = {name: [] for name in functions}
+    for _ in range(repetitions):
+        for name, function in functions.items():
+            WORLD.Barrier()
+            start = time.perf_counter()
+            function()
+            times[name].append(time.perf_counter() - start)
+    return {name: (WORLD.allreduce(statistics.median(t), op=MPI.MAX), WORLD.allreduce(min(t), op=MPI.MAX))
+            for name, t in times.items()}
+
+
+def init_gloo():
+    """Start torch.distributed on gloo over this MPI world (address and port agreed over MPI)."""
+    port = None
+    if WORLD.rank == 0:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(WORLD.bcast(port))
+    torch.distributed.init_process_group("gloo", rank=WORLD.rank, world_size=WORLD.size)
+
+
+def credit_gloo_exchange(x, h, dim, prev_rank, next_rank):
+    """CREDIT's forward halo exchange (credit.domain_parallel.halo_exchange), reproduced."""
+    dist = torch.distributed
+    send_to_prev = x.narrow(dim, 0, h).contiguous()
+    send_to_next = x.narrow(dim, x.shape[dim] - h, h).contiguous()
+    recv_from_prev = torch.zeros_like(send_to_next)
+    recv_from_next = torch.zeros_like(send_to_prev)
+    ops = []
+    if prev_rank is not None:
+        ops.append(dist.P2POp(dist.isend, send_to_prev, prev_rank))
+        ops.append(dist.P2POp(dist.irecv, recv_from_prev, prev_rank))
+    if next_rank is not None:
+        ops.append(dist.P2POp(dist.isend, send_to_next, next_rank))
+        ops.append(dist.P2POp(dist.irecv, recv_from_next, next_rank))
+    if ops:
+        for request in dist.batch_isend_irecv(ops):
+            request.wait()
+    return torch.cat([recv_from_prev, x, recv_from_next], dim=dim)
+
+
+def mpi4py_exchange(comm, x, h, prev_rank, next_rank):
+    """Hand-written exchange along axis -2: contiguous halos, Isend/Irecv, concatenate."""
+    edge = x.shape[:-2] + (h, x.shape[-1])
+    top = np.zeros(edge, x.dtype)
+    bottom = np.zeros(edge, x.dtype)
+    requests = []
+    if prev_rank is not None:
+        requests += [comm.Irecv(top, source=prev_rank, tag=1),
+                     comm.Isend(np.ascontiguousarray(x[..., :h, :]), dest=prev_rank, tag=2)]
+    if next_rank is not None:
+        requests += [comm.Irecv(bottom, source=next_rank, tag=2),
+                     comm.Isend(np.ascontiguousarray(x[..., -h:, :]), dest=next_rank, tag=1)]
+    MPI.Request.Waitall(requests)
+    return np.concatenate([top, x, bottom], axis=-2)
+
+
+def raw_transfer_requests(comm, plan):
+    """Persistent requests moving the plan's halo bytes between contiguous buffers."""
+    nbytes = plan.shape[-1] * plan.halo_width * int(np.prod(plan.shape[:-2])) * 4
+    requests, buffers = [], []
+    prev_rank, next_rank = plan.neighbors
+    for peer, send_tag, recv_tag in ((prev_rank, 2, 1), (next_rank, 1, 2)):
+        if peer is None:
+            continue
+        send, recv = np.ones(nbytes, np.uint8), np.empty(nbytes, np.uint8)
+        buffers += [send, recv]
+        requests += [comm.Recv_init(recv, source=peer, tag=recv_tag), comm.Send_init(send, dest=peer, tag=send_tag)]
+    return requests, buffers
+
+
+def subarray_transfer_requests(comm, x, h, prev_rank, next_rank, both_sides):
+    """Persistent requests moving the halo rows into a padded array through a subarray datatype.
+
+    The rows leave a padded array through a datatype too (``both_sides``) or a contiguous buffer.
+    """
+    padded = np.zeros(x.shape[:-2] + (x.shape[-2] + 2 * h, x.shape[-1]), x.dtype)
+    sizes = [int(np.prod(x.shape[:-2])), padded.shape[-2], x.shape[-1] * x.itemsize]
+
+    def rows(start):
+        return MPI.BYTE.Create_subarray(sizes, [sizes[0], h, sizes[2]], [0, start, 0]).Commit()
+
+    n = x.shape[-2]
+    types, requests = [], []
+    contiguous = np.ones(sizes[0] * h * sizes[2], np.uint8)
+    for peer, send_start, recv_start, send_tag, recv_tag in ((prev_rank, h, 0, 2, 1), (next_rank, n, n + h, 1, 2)):
+        if peer is None:
+            continue
+        recv = rows(recv_start)
+        types.append(recv)
+        requests.append(comm.Recv_init([padded, 1, recv], source=peer, tag=recv_tag))
+        if both_sides:
+            send = rows(send_start)
+            types.append(send)
+            requests.append(comm.Send_init([padded, 1, send], dest=peer, tag=send_tag))
+        else:
+            requests.append(comm.Send_init(contiguous, dest=peer, tag=send_tag))
+    return requests, types
+
+
+def bench(shape, h, repetitions, manager, rows):
+    dim = -2
+    rng = np.random.default_rng(WORLD.rank)
+    x = rng.standard_normal(shape, dtype=np.float32)
+    xt = torch.from_numpy(x.copy())
+    padded_shape = shape[:-2] + (shape[-2] + 2 * h, shape[-1])
+    comm = manager.domain_comm.Dup()
+    prev_rank, next_rank = manager.neighbor_ranks()
+
+    preallocated = np.zeros(padded_shape, np.float32)
+    preallocated_torch = torch.zeros(padded_shape, dtype=torch.float32)
+
+    def floor_numpy():
+        np.copyto(preallocated[..., h:-h, :], x)
+
+    def floor_torch():
+        preallocated_torch[..., h:-h, :].copy_(xt)
+
+    def fresh_numpy():
+        out = np.empty(padded_shape, np.float32)
+        out[..., h:-h, :] = x
+        return out
+
+    def fresh_torch():
+        out = torch.empty(padded_shape, dtype=torch.float32)
+        out[..., h:-h, :].copy_(xt)
+        return out
+
+    plan = mpidomain.HaloPlan(x, h, dim, manager=manager)
+    padded = plan.pad(x)
+    raw_requests, _buffers = raw_transfer_requests(comm, plan)
+    subarray_requests, subarray_types = subarray_transfer_requests(comm, x, h, prev_rank, next_rank, True)
+    receive_only_requests, receive_only_types = subarray_transfer_requests(comm, x, h, prev_rank, next_rank, False)
+
+    def run(requests):
+        MPI.Prequest.Startall(requests)
+        MPI.Request.Waitall(requests)
+
+    # Same results before timing anything.
+    ours = mpidomain.halo_exchange(x, h, dim)
+    assert np.array_equal(ours, mpi4py_exchange(comm, x, h, prev_rank, next_rank))
+    assert np.array_equal(mpidomain.halo_exchange(xt, h, dim).numpy(), ours)
+    assert np.array_equal(credit_gloo_exchange(xt, h, dim, prev_rank, next_rank).numpy(), ours)
+    assert np.array_equal(plan.exchange(padded), ours)
+
+    measured = timed({
+        "floor numpy": floor_numpy,
+        "floor torch": floor_torch,
+        "fresh allocation + copy numpy": fresh_numpy,
+        "fresh allocation + copy torch": fresh_torch,
+        "mpidomain pad+exchange numpy": lambda: mpidomain.halo_exchange(x, h, dim),
+        "mpidomain pad+exchange torch": lambda: mpidomain.halo_exchange(xt, h, dim),
+        "pad+exchange, fresh output": lambda: plan.pad(x, np.empty(padded_shape, np.float32)),
+        "hand-written mpi4py": lambda: mpi4py_exchange(comm, x, h, prev_rank, next_rank),
+        "CREDIT gloo": lambda: credit_gloo_exchange(xt, h, dim, prev_rank, next_rank),
+    }, repetitions)
+    measured.update(timed({
+        "raw transfer": lambda: run(raw_requests),
+        "raw transfer, subarray receives": lambda: run(receive_only_requests),
+        "raw transfer, subarray both sides": lambda: run(subarray_requests),
+        "in-place plan": lambda: plan.exchange(padded),
+    }, repetitions * 4))
+    for handle in raw_requests + subarray_requests + subarray_types + receive_only_requests + receive_only_types:
+        handle.Free()
+    plan.free()
+    comm.Free()
+    large = shape[-2] * shape[-1] >= 100_000
+    two = WORLD.size == 2
+    m = measured
+    checks = [
+        ("mpidomain pad+exchange numpy", "floor numpy", 1.15 if two and large else None, "<="),
+        ("mpidomain pad+exchange torch", "floor torch", 1.15 if two and large else None, "<="),
+        ("pad+exchange, fresh output", "mpidomain pad+exchange numpy", None, "<="),
+        ("hand-written mpi4py", "mpidomain pad+exchange numpy", None, "<="),
+        ("mpidomain pad+exchange numpy", "hand-written mpi4py", 1.5 if two and not large else None, "<="),
+        ("CREDIT gloo", "mpidomain pad+exchange torch", (3 if large else 8) if two else None, ">="),
+        ("in-place plan", "raw transfer", 1.2 if two else None, "<="),
+        ("raw transfer, subarray receives", "in-place plan", None, "<="),
+        ("raw transfer, subarray both sides", "in-place plan", None, "<="),
+    ]
+    label = f"{shape} h={h}"
+    for name, (median, fastest) in measured.items():
+        rows.append((label, name, f"{median * 1e3:9.3f}", f"{fastest * 1e3:9.3f}", "", ""))
+    for name, baseline, target, sense in checks:
+        ratio = m[name][0] / m[baseline][0]
+        verdict = ""
+        if target is not None:
+            ok = ratio <= target if sense == "<=" else ratio >= target
+            verdict = f"{'pass' if ok else 'MISS'} (target {sense} {target})"
+        rows.append((label, f"{name} / {baseline}", "", "", f"{ratio:6.2f}x", verdict))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repetitions", type=int, default=None, help="repetitions per row (default: by size)")
+    args = parser.parse_args()
+    torch.set_num_threads(1)  # one core per rank
+    manager = mpidomain.initialize_domain_parallel(WORLD.size, WORLD.size)
+    init_gloo()
+    rows = []
+    for shape, h in (((1, 64, 180, 1440), 1), ((1, 64, 180, 1440), 3), ((2, 16, 64, 128), 1)):
+        large = shape[-2] * shape[-1] >= 100_000
+        bench(shape, h, args.repetitions or (20 if large else 200), manager, rows)
+    if WORLD.rank == 0:
+        print(f"ranks: {WORLD.size} (one domain group), float32, latitude (dim -2) sharded, torch threads 1")
+        print(f"MPI: {MPI.Get_library_version().splitlines()[0]}; mpi4py {__import__('mpi4py').__version__}; "
+              f"torch {torch.__version__}; numpy {np.__version__}; {os.cpu_count()} cores")
+        print(f"{'case':24} {'measurement (ratios of medians)':58} {'median ms':>9} {'min ms':>9} {'ratio':>7}  verdict")
+        for label, name, median, fastest, ratio, verdict in rows:
+            print(f"{label:24} {name:58} {median:>9} {fastest:>9} {ratio:>7}  {verdict}")
+    torch.distributed.destroy_process_group()
+    manager.close()
+
+
+if __name__ == "__main__":
+    main()
