@@ -7,6 +7,8 @@ that needs it, so a program can choose its GPU first.
 from .halo import HaloPlan, halo_exchange
 from .launcher import Launcher, detect_launcher
 from .manager import DomainParallelManager, get_domain_parallel_manager, initialize_domain_parallel
+from .reduce import allreduce
+from .sharding import balanced_split, gather_tensor, scatter_tensor, shard_batch, shard_tensor
 
 __version__ = "0.1.0"
 
@@ -18,4 +20,10 @@ __all__ = [
     "halo_exchange",
     "Launcher",
     "detect_launcher",
+    "shard_tensor",
+    "gather_tensor",
+    "scatter_tensor",
+    "shard_batch",
+    "balanced_split",
+    "allreduce",
 ]

@@ -4,7 +4,10 @@ Importing this module does not start MPI: ``mpi()`` imports ``mpi4py.MPI``
 (which initialises the library) at the first call that needs it.
 """
 
+import hashlib
 import time
+
+import numpy as np
 
 _MPI = None
 
@@ -75,6 +78,21 @@ def check_same(comm, value, what, fix=""):
         return values[0]
     listing = ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values))
     raise ValueError(f"{what} must be the same on every rank, got {listing}. {fix}".rstrip())
+
+
+def agrees(comm, value):
+    """Return True on every rank if all ranks of ``comm`` passed an equal ``value``, else False on every rank.
+
+    Collective: call on all ranks of ``comm``. Costs one Allreduce of two
+    integers (a digest of ``repr(value)``), so hot paths can check their
+    arguments on every call; build the error message after a False, e.g. with
+    ``comm.allgather``.
+    """
+    digest = hashlib.blake2b(repr(value).encode(), digest_size=8).digest()
+    code = int.from_bytes(digest, "little") >> 2
+    extremes = np.array([code, -code], dtype=np.int64)
+    comm.Allreduce(mpi().IN_PLACE, extremes, op=mpi().MAX)
+    return int(extremes[0]) == -int(extremes[1])
 
 
 def wait_politely(request, interval=0.001):

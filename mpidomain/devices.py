@@ -25,10 +25,14 @@ __all__ = [
     "pinned_empty",
     "copy_to_host",
     "copy_to_device",
+    "ArraySpec",
+    "array_spec",
     "empty",
+    "contiguous",
     "assign",
     "byte_view",
     "from_numpy",
+    "mpi_datatype",
     "CudaAwareDecision",
     "cuda_aware_decision",
 ]
@@ -169,17 +173,6 @@ def copy_to_device(src, dst):
     return dst
 
 
-def empty(shape, like):
-    """Return an uninitialised C-contiguous array of ``shape`` with ``like``'s kind, dtype and device."""
-    kind = array_kind(like)
-    if kind == "torch":
-        return sys.modules["torch"].empty(shape, dtype=like.dtype, device=like.device)
-    if kind == "cupy":
-        with like.device:
-            return sys.modules["cupy"].empty(shape, dtype=like.dtype)
-    return np.empty(shape, dtype=like.dtype)
-
-
 def assign(dst, src):
     """Copy ``src`` into ``dst`` (views welcome); both of the same kind and device. Returns ``dst``."""
     if array_kind(dst) == "torch":
@@ -210,6 +203,78 @@ def byte_view(x):
     if kind == "torch":
         return x.detach().reshape(-1).view(sys.modules["torch"].uint8)
     return x.reshape(-1).view(np.uint8)
+
+
+@dataclass(frozen=True)
+class ArraySpec:
+    """What an array is, in picklable form, so another rank can allocate its like.
+
+    ``kind`` is ``"numpy"``, ``"torch"`` or ``"cupy"``; ``dtype`` the element
+    type's name (``"float32"``, ``"bfloat16"``); ``device`` ``"cpu"`` or ``"cuda"``.
+    """
+
+    kind: str
+    dtype: str
+    device: str
+
+
+def array_spec(x):
+    """Return the :class:`ArraySpec` of ``x``."""
+    kind = array_kind(x)
+    if kind == "torch":
+        numpy_dtype(x)  # rejects dtypes MPI cannot move
+        return ArraySpec(kind, str(x.dtype).replace("torch.", ""), x.device.type)
+    return ArraySpec(kind, np.dtype(x.dtype).name, "cuda" if kind == "cupy" else "cpu")
+
+
+def empty(shape, like):
+    """Return an uninitialised array of ``shape`` like ``like`` (an array or an :class:`ArraySpec`).
+
+    Same kind and dtype; same device as an array ``like``, or this process's
+    current CUDA device for a CUDA :class:`ArraySpec`.
+    """
+    if isinstance(like, ArraySpec):
+        if like.kind == "numpy":
+            return np.empty(shape, dtype=like.dtype)
+        if like.kind == "cupy":
+            import cupy
+
+            return cupy.empty(shape, dtype=like.dtype)
+        import torch
+
+        device = torch.device("cuda", torch.cuda.current_device()) if like.device == "cuda" else "cpu"
+        return torch.empty(shape, dtype=getattr(torch, like.dtype), device=device)
+    kind = array_kind(like)
+    if kind == "torch":
+        import torch
+
+        return torch.empty(shape, dtype=like.dtype, device=like.device)
+    if kind == "cupy":
+        import cupy
+
+        with like.device:
+            return cupy.empty(shape, dtype=like.dtype)
+    return np.empty(shape, dtype=like.dtype)
+
+
+def contiguous(x):
+    """Return ``x`` if it is C-contiguous, else a C-contiguous copy of the same kind and device."""
+    kind = array_kind(x)
+    if kind == "torch":
+        return x.contiguous()
+    if kind == "cupy":
+        import cupy
+
+        return cupy.ascontiguousarray(x)
+    return np.ascontiguousarray(x)
+
+
+def mpi_datatype(x):
+    """Return the predefined MPI datatype of ``x``'s elements (reductions need predefined types).
+
+    bfloat16 maps to ``MPI_UNSIGNED_SHORT``, as :func:`numpy_dtype` does: fine for moving data only.
+    """
+    return mpi().Datatype.fromcode(numpy_dtype(x).char)
 
 
 @dataclass(frozen=True)

@@ -80,3 +80,19 @@ def test_empty_assign_and_views_keep_kind_and_memory():
         host = devices.mpi_buffer(buffer)
         back = devices.from_numpy(host, like=like)
         assert back.dtype == like.dtype and devices.mpi_buffer(back).ctypes.data == host.ctypes.data
+
+
+def test_array_specs_and_allocation():
+    from mpi4py import MPI
+
+    x = np.zeros((2, 3), np.float32)[:, ::2]
+    spec = devices.array_spec(x)
+    assert spec == devices.ArraySpec("numpy", "float32", "cpu")
+    assert devices.empty((4,), spec).dtype == np.float32 and devices.empty((4,), like=x).shape == (4,)
+    assert devices.contiguous(x).flags.c_contiguous and not x.flags.c_contiguous
+    assert devices.mpi_datatype(x) == MPI.FLOAT
+    torch = pytest.importorskip("torch")
+    t = torch.zeros(3, 4, dtype=torch.bfloat16).t()
+    assert devices.array_spec(t) == devices.ArraySpec("torch", "bfloat16", "cpu")
+    assert devices.empty((2,), devices.array_spec(t)).dtype == torch.bfloat16
+    assert devices.contiguous(t).is_contiguous() and devices.mpi_datatype(t) == MPI.UNSIGNED_SHORT

@@ -1,0 +1,175 @@
+"""All-reduce of arrays and tensors over a domain group, a data-parallel group or any communicator.
+
+Host memory goes to MPI as it is; device memory goes directly to a CUDA-aware
+MPI, or is staged through pinned host buffers. Half-precision values
+(float16, bfloat16) are reduced in float32, which every MPI supports. For
+Torch the reduction is differentiable.
+"""
+
+import numpy as np
+
+from . import devices
+from ._mpi import agrees, mpi
+from .manager import get_domain_parallel_manager
+
+__all__ = ["allreduce", "group_communicator"]
+
+GROUPS = ("domain", "data_parallel")
+_MPI_OPS = {"sum": "SUM", "mean": "SUM", "max": "MAX", "min": "MIN", "prod": "PROD"}
+_HALF = ("float16", "bfloat16")
+
+
+def group_communicator(group, manager=None):
+    """Return the mpi4py communicator ``group`` names, or None when there is no manager.
+
+    ``group`` is ``"domain"``, ``"data_parallel"`` (the manager's
+    communicators; ``manager`` defaults to the initialised one) or an mpi4py
+    intracommunicator, returned as it is. Local: no communication.
+    """
+    if isinstance(group, str):
+        if group not in GROUPS:
+            raise ValueError(f"group must be one of {GROUPS} or an mpi4py communicator, got {group!r}")
+        if manager is None:
+            manager = get_domain_parallel_manager()
+        if manager is None:
+            return None
+        if manager.closed:
+            raise RuntimeError(f"{manager!r} is closed; pass an open manager or call initialize_domain_parallel again")
+        return manager.domain_comm if group == "domain" else manager.data_parallel_comm
+    if not isinstance(group, mpi().Intracomm):
+        raise TypeError(
+            f"group must be one of {GROUPS} or an mpi4py intracommunicator, got {type(group).__name__}"
+        )
+    return group
+
+
+def _op_error(op, spec):
+    """Return the TypeError/ValueError for reducing ``spec`` with ``op``, or None."""
+    if op not in _MPI_OPS:
+        return ValueError(f"op must be one of {tuple(_MPI_OPS)}, got {op!r}")
+    kind = np.dtype("float32" if spec.dtype in _HALF else spec.dtype).kind
+    if kind == "b" or (op == "mean" and kind not in "fc") or (op in ("max", "min") and kind == "c"):
+        return TypeError(
+            f"op={op!r} cannot reduce {spec.dtype} values; cast first (e.g. to float32 for a mean or a bool count)"
+        )
+    return None
+
+
+def reduce_array(x, op, comm):
+    """Return a new array: ``x`` reduced with ``op`` over every rank of ``comm``.
+
+    Collective over ``comm``, with no checks and no autograd: the engine under
+    :func:`allreduce`. Every rank must pass the same shape, dtype and ``op``.
+    """
+    dtype = devices.array_spec(x).dtype
+    work = _as_float32(x) if dtype in _HALF else devices.contiguous(x)
+    out = devices.empty(tuple(work.shape), like=work)
+    datatype = devices.mpi_datatype(work)
+    MPI = mpi()
+    operation = getattr(MPI, _MPI_OPS[op])
+    if devices.is_device_array(work) and not devices.cuda_aware_decision().enabled:
+        host = devices.pinned_empty(tuple(work.shape), devices.numpy_dtype(work), like=work)
+        devices.copy_to_host(work, host)
+        comm.Allreduce(MPI.IN_PLACE, [host, datatype], op=operation)
+        devices.copy_to_device(host, out)
+        devices.synchronize(out)
+    else:
+        devices.synchronize(work)
+        comm.Allreduce([devices.mpi_buffer(work), datatype], [devices.mpi_buffer(out), datatype], op=operation)
+    if op == "mean":
+        out /= comm.Get_size()
+    return _cast(out, x) if dtype in _HALF else out
+
+
+def _as_float32(x):
+    return x.float() if devices.array_kind(x) == "torch" else devices.contiguous(x.astype("float32"))
+
+
+def _cast(out, like):
+    return out.to(like.dtype) if devices.array_kind(like) == "torch" else out.astype(like.dtype)
+
+
+def allreduce(x, op="sum", group="domain", manager=None):
+    """Return ``x`` reduced over ``group``: every rank gets the same new array.
+
+    Collective over ``group``: call on all its ranks with the same ``op`` and
+    arrays of the same shape and dtype. ``op`` is ``"sum"``, ``"mean"``,
+    ``"max"``, ``"min"`` or ``"prod"``; ``group`` is ``"domain"``,
+    ``"data_parallel"`` or an mpi4py communicator. The result has ``x``'s
+    kind, dtype and device. Returns ``x`` itself when ``group`` is a name and
+    there is no manager (a group of one rank, as in :func:`shard_tensor`).
+
+    Torch tensors are differentiable: the backward of a sum all-reduces the
+    gradient (a mean divides it by the group size; max and min send it to the
+    ranks holding the extreme, split evenly on ties), so every rank must run
+    backward through the result. ``prod`` is not differentiable. Ranks that
+    disagree on op, shape, dtype or whether a gradient is needed raise
+    ValueError on every rank (checked with one small Allreduce).
+    """
+    comm = group_communicator(group, manager)
+    spec = devices.array_spec(x)
+    needs_grad = spec.kind == "torch" and x.requires_grad and _grad_enabled()
+    error = _op_error(op, spec)
+    if error is None and needs_grad and op == "prod":
+        error = NotImplementedError("allreduce(op='prod') is not differentiable; detach the tensor or use another op")
+    if comm is None:
+        if error is not None:
+            raise error
+        return x
+    signature = (op, tuple(x.shape), spec.dtype, needs_grad, repr(error))
+    if not agrees(comm, signature):
+        listing = ", ".join(
+            f"rank {r}: op={o!r} shape {s} {t}{' requiring grad' * g}"
+            for r, (o, s, t, g, _) in enumerate(comm.allgather(signature))
+        )
+        raise ValueError(
+            f"allreduce needs the same op, shape, dtype and requires_grad on every rank, got {listing}"
+        )
+    if error is not None:
+        raise error
+    if spec.kind == "torch":
+        return _autograd_function().apply(x, op, comm)
+    return reduce_array(x, op, comm)
+
+
+def _grad_enabled():
+    import torch
+
+    return torch.is_grad_enabled()
+
+
+_FUNCTION = None
+
+
+def _autograd_function():
+    """Return the torch.autograd.Function behind :func:`allreduce` (built on first use: torch is lazy)."""
+    global _FUNCTION
+    if _FUNCTION is not None:
+        return _FUNCTION
+    import torch
+
+    class AllReduce(torch.autograd.Function):
+        """Differentiable all-reduce: sum and mean all-reduce the gradient; max and min route it."""
+
+        @staticmethod
+        def forward(ctx, x, op, comm):
+            y = reduce_array(x.detach(), op, comm)
+            ctx.op, ctx.comm = op, comm
+            if op in ("max", "min"):
+                ctx.save_for_backward(x.detach(), y)
+            return y
+
+        @staticmethod
+        @torch.autograd.function.once_differentiable
+        def backward(ctx, grad):
+            total = reduce_array(grad, "sum", ctx.comm)
+            if ctx.op == "mean":
+                total /= ctx.comm.Get_size()
+            elif ctx.op in ("max", "min"):
+                x, y = ctx.saved_tensors
+                holds = (x == y).to(grad.dtype)
+                total = total * holds / reduce_array(holds, "sum", ctx.comm)
+            return total, None, None
+
+    _FUNCTION = AllReduce
+    return _FUNCTION

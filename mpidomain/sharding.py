@@ -1,0 +1,469 @@
+"""Cut arrays into latitude shards, and bring shards together or apart over MPI.
+
+``shard_tensor`` and ``shard_batch`` are local (no communication): every rank
+slices the same full array. ``gather_tensor`` and ``scatter_tensor`` move data
+over the manager's domain communicator. Splits are balanced: ``extent`` rows
+over ``D`` ranks give the first ``extent % D`` ranks one row more.
+
+On the wire every shard travels as its own contiguous bytes. Host arrays are
+placed straight into the full array by MPI derived datatypes (one strided
+block of rows per rank, no packing copies); device arrays go to a CUDA-aware
+MPI as contiguous blocks and are joined on the device, or are staged through
+pinned host memory otherwise.
+"""
+
+import itertools
+import math
+import numbers
+
+import numpy as np
+
+from . import devices
+from ._mpi import mpi, raise_on_all_ranks
+from .manager import get_domain_parallel_manager
+
+__all__ = ["balanced_split", "shard_tensor", "shard_batch", "gather_tensor", "scatter_tensor"]
+
+# Tag of scatter_tensor's point-to-point messages on the (private) domain communicator.
+_SCATTER_TAG = 23719
+
+
+def balanced_split(extent, parts):
+    """Return ``(counts, offsets)``: ``extent`` rows split over ``parts`` ranks as evenly as possible.
+
+    The first ``extent % parts`` ranks get one row more; 721 rows over 4
+    ranks give counts ``(181, 180, 180, 180)`` and offsets ``(0, 181, 361, 541)``.
+    """
+    for name, value, least in (("extent", extent, 0), ("parts", parts, 1)):
+        if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+            raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+        if value < least:
+            raise ValueError(f"{name} must be >= {least}, got {value}")
+    base, extra = divmod(int(extent), int(parts))
+    counts = tuple(base + (rank < extra) for rank in range(parts))
+    offsets = tuple(itertools.accumulate((0,) + counts[:-1]))
+    return counts, offsets
+
+
+def _active_manager(manager):
+    """Return the manager to split over, or None when there is nothing to split (no manager, D=1)."""
+    if manager is None:
+        manager = get_domain_parallel_manager()
+    if manager is None or manager.domain_parallel_size == 1:
+        return None
+    if manager.closed:
+        raise RuntimeError(f"{manager!r} is closed; pass an open manager or call initialize_domain_parallel again")
+    return manager
+
+
+def _checked_dim(dim, shape):
+    """Return ``dim`` as an index into ``shape``; raise TypeError/ValueError naming the fix."""
+    if not isinstance(dim, numbers.Integral) or isinstance(dim, bool):
+        raise TypeError(f"dim must be an int, got {dim!r} ({type(dim).__name__})")
+    ndim = len(shape)
+    if not -ndim <= dim < ndim:
+        raise ValueError(
+            f"dim={dim} is out of range for an array of shape {tuple(shape)}; "
+            f"pass a dim between {-ndim} and {ndim - 1}"
+        )
+    return int(dim) % ndim
+
+
+def _rows(dim, start, stop):
+    """Index selecting rows ``start:stop`` along ``dim`` (works for NumPy, CuPy and Torch)."""
+    return (slice(None),) * dim + (slice(start, stop),)
+
+
+def _copy_rows(x, dim, start, count):
+    """Return a C-contiguous copy of rows ``start:start+count`` of ``x`` along ``dim``."""
+    if devices.array_kind(x) == "torch":
+        import torch
+
+        return x.narrow(dim, start, count).clone(memory_format=torch.contiguous_format)
+    return x[_rows(dim, start, start + count)].copy(order="C")
+
+
+def shard_tensor(x, dim=-2, manager=None, *, allow_uneven=False):
+    """Return this domain rank's shard of ``x`` along ``dim``, as a contiguous copy.
+
+    Local: no communication; every domain rank passes the same full array and
+    keeps its own rows. Returns ``x`` itself when there is no manager
+    (``manager`` is None and none is initialised) or D=1 (CREDIT's semantics).
+    An extent that D does not divide raises ValueError ("Cannot shard ...")
+    unless ``allow_uneven=True``, which splits as :func:`balanced_split`.
+    Torch tensors keep their autograd history.
+    """
+    manager = _active_manager(manager)
+    if manager is None:
+        return x
+    devices.array_kind(x)
+    dim = _checked_dim(dim, x.shape)
+    size, parts = x.shape[dim], manager.domain_parallel_size
+    if size % parts and not allow_uneven:
+        raise ValueError(
+            f"Cannot shard dim {dim} of size {size} evenly across {parts} domain-parallel ranks; "
+            f"pass allow_uneven=True for a balanced split (the first {size % parts} ranks get one row more) "
+            f"or use a domain_parallel_size that divides {size}"
+        )
+    counts, offsets = balanced_split(size, parts)
+    rank = manager.domain_rank
+    return _copy_rows(x, dim, offsets[rank], counts[rank])
+
+
+def _is_array(value):
+    try:
+        devices.array_kind(value)
+    except TypeError:
+        return False
+    return True
+
+
+def shard_batch(batch, spatial_dims_5d=-2, spatial_dims_4d=-2, manager=None, *, allow_uneven=False):
+    """Return a new dict with the 5-D and 4-D arrays of ``batch`` sharded; all else untouched.
+
+    Local, like :func:`shard_tensor`: 5-D (B, C, T, H, W) arrays are sharded
+    along ``spatial_dims_5d``, 4-D (B, C, H, W) along ``spatial_dims_4d``
+    (NumPy, CuPy or Torch); scalars, indices, strings and 1-D to 3-D arrays
+    pass through as they are. Returns ``batch`` itself when there is no
+    manager or D=1 (CREDIT's semantics).
+    """
+    manager = _active_manager(manager)
+    if manager is None:
+        return batch
+    dims = {5: spatial_dims_5d, 4: spatial_dims_4d}
+    sharded = {}
+    for key, value in batch.items():
+        if _is_array(value) and value.ndim in dims:
+            sharded[key] = shard_tensor(value, dims[value.ndim], manager, allow_uneven=allow_uneven)
+        else:
+            sharded[key] = value
+    return sharded
+
+
+def _row_type(row_bytes, rows):
+    """Return a committed datatype of ``rows`` contiguous rows of ``row_bytes`` bytes."""
+    row = mpi().BYTE.Create_contiguous(row_bytes)
+    rows_type = row.Create_contiguous(rows).Commit()
+    row.Free()
+    return rows_type
+
+
+def _placed_types(outer, row_bytes, counts, offsets, total):
+    """Return per-rank committed datatypes placing ``counts[r]`` rows at row ``offsets[r]`` of a full array.
+
+    The full array is ``outer`` blocks of ``total`` rows of ``row_bytes``
+    bytes; a shard travels as its contiguous bytes and lands as ``outer``
+    strided blocks of rows, with no packing. Ranks with no rows get None.
+    """
+    MPI = mpi()
+    row = MPI.BYTE.Create_contiguous(row_bytes)
+    types = []
+    for count, offset in zip(counts, offsets):
+        if count == 0:
+            types.append(None)
+            continue
+        block = row.Create_vector(outer, count, total)
+        types.append(MPI.Datatype.Create_struct([1], [offset * row_bytes], [block]).Commit())
+        block.Free()
+    row.Free()
+    return types
+
+
+def _free(types):
+    for datatype in types:
+        if datatype is not None:
+            datatype.Free()
+
+
+def _alltoallw(comm, sendbuf, send_types, recvbuf, recv_types):
+    """One MPI_Alltoallw; ``None`` in a type list means nothing to or from that rank."""
+    MPI = mpi()
+    counts = [[int(t is not None) for t in types] for types in (send_types, recv_types)]
+    types = [[t if t is not None else MPI.BYTE for t in types] for types in (send_types, recv_types)]
+    zeros = [0] * comm.Get_size()
+    comm.Alltoallw([sendbuf, counts[0], zeros, types[0]], [recvbuf, counts[1], zeros, types[1]])
+
+
+def _staged(x):
+    """True if ``x`` is a device array that must go through host memory (MPI not CUDA-aware)."""
+    return devices.is_device_array(x) and not devices.cuda_aware_decision().enabled
+
+
+def _host_view(x):
+    """Return host memory MPI may read for ``x``: a view, or a pinned copy of a device array."""
+    if _staged(x):
+        return devices.copy_to_host(x, devices.pinned_empty(x.shape, devices.numpy_dtype(x), like=x))
+    devices.synchronize(x)
+    return devices.mpi_buffer(x)
+
+
+def _concatenate(blocks, dim, out=None):
+    kind = devices.array_kind(blocks[0])
+    if kind == "torch":
+        import torch
+
+        return torch.cat(blocks, dim, out=out)
+    if kind == "cupy":
+        import cupy
+
+        return cupy.concatenate(blocks, axis=dim, out=out)
+    return np.concatenate(blocks, axis=dim, out=out)
+
+
+def _exchange_reports(comm, describe):
+    """Return every rank's ``describe()`` (one allgather); if it raised on any rank, raise on every rank."""
+    error = report = None
+    try:
+        report = describe()
+    except (TypeError, ValueError) as exc:
+        error = exc
+    reports = comm.allgather((error is not None, report))
+    if any(failed for failed, _ in reports):
+        raise_on_all_ranks(comm, error)
+    return [report for _, report in reports]
+
+
+def _out_report(out):
+    """Describe a caller's ``out`` array for the agreement check: None, or (spec, shape, contiguous)."""
+    if out is None:
+        return None
+    contiguous = out.is_contiguous() if devices.array_kind(out) == "torch" else out.flags.c_contiguous
+    return devices.array_spec(out), tuple(out.shape), bool(contiguous)
+
+
+def _out_mismatch(function, outs, expected):
+    """Return a ValueError if some rank's ``out`` is not like its result ``expected[r] = (spec, shape)``."""
+    bad = [(rank, out, want) for rank, (out, want) in enumerate(zip(outs, expected))
+           if out is not None and (out[0] != want[0] or out[1] != want[1] or not out[2])]
+    if not bad:
+        return None
+    listing = "; ".join(
+        f"rank {rank}: needs a C-contiguous {want[0].kind} {want[0].dtype} array on {want[0].device} of shape "
+        f"{want[1]}, got {'a non-contiguous ' if not out[2] else ''}{out[0].kind} {out[0].dtype} on {out[0].device} "
+        f"of shape {out[1]}" for rank, out, want in bad)
+    return ValueError(f"{function}: out does not fit the result on every rank: {listing}; pass out=None or such an array")
+
+
+def _shards_mismatch(reports, dim_arg):
+    """Return a ValueError if the ranks' (shape, spec, dim) cannot be joined along dim, else None."""
+    shapes = [report[0] for report in reports]
+    listing = ", ".join(f"rank {r}: shape {s} {t.dtype} dim {d}" for r, (s, t, d, _) in enumerate(reports))
+    if len({len(s) for s in shapes}) > 1 or len({report[2] for report in reports}) > 1:
+        return ValueError(
+            f"gather_tensor needs the same number of dimensions and the same dim on every rank "
+            f"(dim={dim_arg} here), got {listing}; pass shards of one array and the same dim"
+        )
+    dim = reports[0][2]
+    if len({s[:dim] + s[dim + 1:] for s in shapes}) > 1 or len({report[1].dtype for report in reports}) > 1:
+        return ValueError(
+            f"gather_tensor needs the same dtype and the same extents outside dim {dim} on every rank, "
+            f"got {listing}; pass shards of one array, split only along dim"
+        )
+    return None
+
+
+def _agreed_shards(comm, x, dim, out):
+    """Check ``x``, ``dim`` and ``out`` on every rank of ``comm``; return ``(dim, counts)`` or raise on all ranks."""
+    reports = _exchange_reports(
+        comm, lambda: (tuple(x.shape), devices.array_spec(x), _checked_dim(dim, x.shape), _out_report(out)))
+    error = _shards_mismatch(reports, dim)
+    if error is not None:
+        raise error
+    dim = reports[0][2]
+    counts = [report[0][dim] for report in reports]
+    full = tuple(reports[0][0][:dim]) + (sum(counts),) + tuple(reports[0][0][dim + 1:])
+    error = _out_mismatch("gather_tensor", [report[3] for report in reports], [(report[1], full) for report in reports])
+    if error is not None:
+        raise error
+    return dim, counts
+
+
+def gather_tensor(x, dim=-2, manager=None, *, out=None):
+    """Return the full array: every domain rank's shard of ``x`` joined along ``dim``.
+
+    Collective over the domain group: call on all its ranks with the same
+    ``dim``. Every rank gets the whole array, of ``x``'s kind, dtype and
+    device (an all-gather; shards may differ in extent along ``dim``, as
+    ``shard_tensor(..., allow_uneven=True)`` makes them), written into
+    ``out`` if given (a C-contiguous array like the result: reusing one
+    saves a fresh allocation per call). Returns ``x`` itself when there is
+    no manager or D=1 (CREDIT's semantics). Not differentiable. A dtype,
+    number of dimensions, extent outside ``dim`` or ``out`` that does not
+    fit raises ValueError on every rank.
+    """
+    manager = _active_manager(manager)
+    if manager is None:
+        return x
+    comm = manager.domain_comm
+    dim, counts = _agreed_shards(comm, x, dim, out)
+    rank = comm.Get_rank()
+    offsets = list(itertools.accumulate([0] + counts[:-1]))
+    full_shape = tuple(x.shape[:dim]) + (sum(counts),) + tuple(x.shape[dim + 1:])
+    x = devices.contiguous(x.detach() if devices.array_kind(x) == "torch" else x)
+    if out is None and not (devices.is_device_array(x) and not _staged(x)):
+        out = devices.empty(full_shape, like=x)
+    itemsize = devices.numpy_dtype(x).itemsize
+    outer, row_elements = math.prod(x.shape[:dim]), math.prod(x.shape[dim + 1:])
+    if outer * row_elements * sum(counts) == 0:
+        return devices.empty(full_shape, like=x) if out is None else out
+    row_bytes = row_elements * itemsize
+    send = _row_type(row_bytes, outer * counts[rank]) if counts[rank] else None
+    send_types = [send if r != rank else None for r in range(len(counts))]
+    try:
+        if devices.is_device_array(x) and not _staged(x):
+            return _gather_device(comm, x, dim, counts, offsets, outer, row_elements, send_types, out)
+        host_out = devices.pinned_empty(full_shape, devices.numpy_dtype(x), like=x) if _staged(out) else devices.mpi_buffer(out)
+        host_x = _host_view(x)
+        recv_types = _placed_types(outer, row_bytes, counts, offsets, full_shape[dim])
+        recv_types[rank] = None
+        try:
+            _alltoallw(comm, host_x, send_types, host_out, recv_types)
+        finally:
+            _free(recv_types)
+        host_out[_rows(dim, offsets[rank], offsets[rank] + counts[rank])] = host_x
+        if _staged(out):
+            devices.copy_to_device(host_out, out)
+            devices.synchronize(out)
+        return out
+    finally:
+        _free([send])
+
+
+def _gather_device(comm, x, dim, counts, offsets, outer, row_elements, send_types, out):
+    """All-gather device shards as contiguous blocks (CUDA-aware MPI), then join them on the device.
+
+    Strided datatypes on device memory are slow in most MPI libraries; one
+    device-side concatenation is cheap.
+    """
+    itemsize = devices.numpy_dtype(x).itemsize
+    starts = [outer * offset * row_elements for offset in offsets]
+    sizes = [outer * count * row_elements for count in counts]
+    staging = devices.empty((sum(sizes),), like=x)
+    MPI = mpi()
+    recv_types = []
+    for rank, (start, size) in enumerate(zip(starts, sizes)):
+        if rank == comm.Get_rank() or size == 0:
+            recv_types.append(None)
+            continue
+        block = MPI.BYTE.Create_contiguous(size * itemsize)
+        recv_types.append(MPI.Datatype.Create_struct([1], [start * itemsize], [block]).Commit())
+        block.Free()
+    devices.synchronize(x)
+    try:
+        _alltoallw(comm, devices.mpi_buffer(x), send_types, devices.mpi_buffer(staging), recv_types)
+    finally:
+        _free(recv_types)
+    blocks = []
+    for rank, (start, size, count) in enumerate(zip(starts, sizes, counts)):
+        if rank == comm.Get_rank():
+            blocks.append(x)
+        else:
+            blocks.append(staging[start:start + size].reshape(tuple(x.shape[:dim]) + (count,) + tuple(x.shape[dim + 1:])))
+    return _concatenate(blocks, dim, out)
+
+
+def _scatter_plan(comm, x, dim, root, out):
+    """Check the arguments on every rank; return the root's ``(spec, shape, dim)`` or raise on all ranks."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+
+    def describe():
+        if not isinstance(root, numbers.Integral) or isinstance(root, bool):
+            raise TypeError(f"root must be an int (a domain rank), got {root!r} ({type(root).__name__})")
+        if not 0 <= root < size:
+            raise ValueError(f"root={root} is not a domain rank; pass a root between 0 and {size - 1}")
+        plan = None
+        if rank == root:
+            if x is None:
+                raise ValueError(
+                    f"scatter_tensor got x=None on the root (domain rank {root}); the root must pass the full "
+                    "array, the other ranks pass None"
+                )
+            plan = (devices.array_spec(x), tuple(x.shape), _checked_dim(dim, x.shape))
+        return root, dim, plan, _out_report(out)
+
+    reports = _exchange_reports(comm, describe)
+    if len({(r, d) for r, d, _, _ in reports}) > 1:
+        listing = ", ".join(f"rank {r}: root={o} dim={d}" for r, (o, d, _, _) in enumerate(reports))
+        raise ValueError(f"scatter_tensor needs the same root and dim on every rank, got {listing}")
+    spec, shape, dim = reports[root][2]
+    counts, _ = balanced_split(shape[dim], size)
+    expected = [(spec, shape[:dim] + (count,) + shape[dim + 1:]) for count in counts]
+    error = _out_mismatch("scatter_tensor", [report[3] for report in reports], expected)
+    if error is not None:
+        raise error
+    return spec, shape, dim
+
+
+def scatter_tensor(x, dim=-2, root=0, manager=None, *, out=None):
+    """Return this domain rank's shard of the array that domain rank ``root`` holds.
+
+    Collective over the domain group: call on all its ranks with the same
+    ``dim`` and ``root``; the root passes the full array, the others pass
+    None (anything they pass is ignored). Each rank receives only its own
+    rows, split as :func:`balanced_split` (uneven extents allowed), so the
+    full array never exists off the root; the result has the root's kind and
+    dtype (on this rank's current CUDA device if the root's is on a GPU),
+    equals ``shard_tensor(full, dim, allow_uneven=True)``, and is written
+    into ``out`` if given (a C-contiguous array like the result). Returns
+    ``x`` when there is no manager or D=1. Not differentiable. None on the
+    root, a bad ``root``, ``dim`` or ``out``, or ranks disagreeing on
+    ``root`` or ``dim`` raise on every rank.
+    """
+    manager = _active_manager(manager)
+    if manager is None:
+        if x is None:
+            raise ValueError("scatter_tensor got x=None with no domain decomposition (no manager or D=1); pass the array")
+        return x
+    comm = manager.domain_comm
+    spec, shape, dim = _scatter_plan(comm, x, dim, root, out)
+    rank = comm.Get_rank()
+    counts, offsets = balanced_split(shape[dim], comm.Get_size())
+    outer, row_elements = math.prod(shape[:dim]), math.prod(shape[dim + 1:])
+    row_bytes = row_elements * _itemsize(spec)
+    if rank == root:
+        x = x.detach() if spec.kind == "torch" else x
+        if out is None:
+            out = _copy_rows(x, dim, offsets[rank], counts[rank])
+        else:
+            out[...] = x[_rows(dim, offsets[rank], offsets[rank] + counts[rank])]
+        if outer * row_bytes * shape[dim]:
+            _scatter_send(comm, x, dim, counts, offsets, outer, row_bytes)
+        return out
+    if out is None:
+        out = devices.empty(shape[:dim] + (counts[rank],) + shape[dim + 1:], spec)
+    if outer * row_bytes * counts[rank] == 0:
+        return out
+    MPI = mpi()
+    if _staged(out):
+        host = devices.pinned_empty(out.shape, devices.numpy_dtype(out), like=out)
+        comm.Recv([host, MPI.BYTE], source=root, tag=_SCATTER_TAG)
+        devices.copy_to_device(host, out)
+        devices.synchronize(out)
+    else:
+        comm.Recv([devices.mpi_buffer(out), MPI.BYTE], source=root, tag=_SCATTER_TAG)
+    return out
+
+
+def _itemsize(spec):
+    return np.dtype("uint16" if spec.dtype == "bfloat16" else spec.dtype).itemsize
+
+
+def _scatter_send(comm, x, dim, counts, offsets, outer, row_bytes):
+    """On the root: send every other rank its rows as contiguous bytes."""
+    MPI = mpi()
+    rank = comm.Get_rank()
+    others = [r for r in range(comm.Get_size()) if r != rank and counts[r]]
+    if devices.is_device_array(x) and not _staged(x):
+        # CUDA-aware: pack each shard on the device; strided datatypes on device memory are slow.
+        chunks = [_copy_rows(x, dim, offsets[r], counts[r]) for r in others]
+        devices.synchronize(x)
+        requests = [comm.Isend([devices.mpi_buffer(c), MPI.BYTE], dest=r, tag=_SCATTER_TAG) for r, c in zip(others, chunks)]
+        MPI.Request.Waitall(requests)
+        return
+    source = _host_view(devices.contiguous(x))
+    types = _placed_types(outer, row_bytes, counts, offsets, sum(counts))
+    try:
+        requests = [comm.Isend([source, 1, types[r]], dest=r, tag=_SCATTER_TAG) for r in others]
+        MPI.Request.Waitall(requests)
+    finally:
+        _free(types)
