@@ -6,6 +6,7 @@ that needs it, so a program can choose its GPU first.
 
 from .launcher import Launcher, detect_launcher
 from .manager import DomainParallelManager, get_domain_parallel_manager, initialize_domain_parallel
+from .torch_bridge import init_torch_distributed
 
 __version__ = "0.1.0"
 
@@ -15,4 +16,5 @@ __all__ = [
     "get_domain_parallel_manager",
     "Launcher",
     "detect_launcher",
+    "init_torch_distributed",
 ]
