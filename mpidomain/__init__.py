@@ -4,6 +4,7 @@ Importing the package does not start MPI; MPI initialises at the first call
 that needs it, so a program can choose its GPU first.
 """
 
+from .halo import HaloPlan, halo_exchange
 from .launcher import Launcher, detect_launcher
 from .manager import DomainParallelManager, get_domain_parallel_manager, initialize_domain_parallel
 from .torch_bridge import init_torch_distributed
@@ -14,6 +15,8 @@ __all__ = [
     "DomainParallelManager",
     "initialize_domain_parallel",
     "get_domain_parallel_manager",
+    "HaloPlan",
+    "halo_exchange",
     "Launcher",
     "detect_launcher",
     "init_torch_distributed",

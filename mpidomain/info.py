@@ -4,6 +4,7 @@ import importlib.util
 import socket
 
 from ._mpi import mpi
+from .devices import cuda_aware_decision
 
 __all__ = ["cuda_visible", "gather_layout", "format_layout"]
 
@@ -73,6 +74,7 @@ def format_layout(manager, rows, header_extra=()):
         f"domain groups     : {' '.join(str(g).replace(' ', '') for g in domain_groups)}",
         f"data-parallel grps: {' '.join(str(g).replace(' ', '') for g in dp_groups)}",
         f"CUDA visible      : {', '.join(cuda)}",
+        f"device buffers    : {cuda_aware_decision()}",
     ]
     lines.extend(header_extra)
     columns = [c for c in rows[0] if c != "cuda"]

@@ -122,6 +122,7 @@ class DomainParallelManager:
             )
             self._domain_group, self._dp_group = self._torch_groups
         self._closed = False
+        self._close_callbacks = []
         logger.info(
             "domain parallel: rank %d, domain group %d (domain rank %d of %d), data-parallel rank %d of %d",
             rank, self._domain_group_idx, self._domain_rank, d, self._dp_rank, self.data_parallel_size,
@@ -234,6 +235,14 @@ class DomainParallelManager:
         index = self._domain_rank if index is None else index
         return list(range(index, self.world_size, self.domain_parallel_size))
 
+    def _add_close_callback(self, callback):
+        """Call ``callback(self)`` at :meth:`close`, before the communicators are freed.
+
+        For modules that keep MPI resources per manager (cached halo plans)
+        without the manager importing them.
+        """
+        self._close_callbacks.append(callback)
+
     def close(self):
         """Free the communicators and destroy the torch groups this manager created.
 
@@ -247,6 +256,9 @@ class DomainParallelManager:
         self._closed = True
         if _MANAGER is self:
             _MANAGER = None
+        callbacks, self._close_callbacks = self._close_callbacks, []
+        for callback in callbacks:
+            callback(self)
         if self._torch_groups:
             bridge.destroy_torch_groups(self._torch_groups)
             self._torch_groups = ()

@@ -1,0 +1,284 @@
+"""Halo exchange against a global reference, plans in place, errors on every rank, and no leaks.
+
+Every rank of a domain group builds the same global field (one per domain
+group), takes its shard, exchanges, and compares bit for bit with its slice
+of the globally padded field.
+"""
+
+import gc
+import tracemalloc
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import mpidomain
+from mpidomain import DomainParallelManager, HaloPlan, halo, halo_exchange
+from mpitest import divisors
+
+# (shape with N marking the sharded extent, dim)
+LAYOUTS = {"4d-dim-2": ((2, 3, "N", 5), -2), "4d-dim-1": ((2, 3, 4, "N"), -1), "5d-dim3": ((2, 1, 3, "N", 4), 3)}
+
+
+def shard_bounds(extent, d, rank):
+    """Start and length of domain rank ``rank``'s rows: the first ``extent % d`` ranks get one more."""
+    sizes = [extent // d + (r < extent % d) for r in range(d)]
+    return sum(sizes[:rank]), sizes[rank]
+
+
+def global_field(template, extent, seed, dtype=np.float32):
+    shape = tuple(extent if s == "N" else s for s in template)
+    values = np.random.default_rng(seed).standard_normal(shape)
+    return values.astype(dtype) if np.dtype(dtype).kind in "fc" else (values * 100).astype(dtype)
+
+
+def reference(field, dim, h, periodic, start, n):
+    """Rows ``start - h`` to ``start + n + h`` of the field padded globally with zeros or wrapped rows."""
+    dim = dim % field.ndim
+    extent = field.shape[dim]
+    if periodic:
+        before = np.take(field, range(extent - h, extent), axis=dim)
+        after = np.take(field, range(h), axis=dim)
+    else:
+        edge_shape = field.shape[:dim] + (h,) + field.shape[dim + 1:]
+        before = after = np.zeros(edge_shape, field.dtype)
+    padded = np.concatenate([before, field, after], axis=dim)
+    return np.take(padded, range(start, start + n + 2 * h), axis=dim)
+
+
+def local_case(manager, template, dim, h, periodic, uneven, dtype=np.float32):
+    """Return (shard, expected padded shard) for this rank."""
+    d = manager.domain_parallel_size
+    extent = 3 * d + (d - 1 if uneven else 0) + (1 if uneven and d == 1 else 0)
+    field = global_field(template, extent, seed=1000 + manager._domain_group_idx, dtype=dtype)
+    axis = dim % field.ndim
+    start, n = shard_bounds(extent, d, manager.domain_rank)
+    shard = np.take(field, range(start, start + n), axis=axis)
+    return shard, reference(field, dim, h, periodic, start, n)
+
+
+def as_kind(array, kind):
+    if kind == "torch":
+        torch = pytest.importorskip("torch")
+        return torch.from_numpy(np.ascontiguousarray(array))
+    return array
+
+
+def to_numpy(array):
+    return array if isinstance(array, np.ndarray) else array.detach().cpu().numpy()
+
+
+def all_cases(world):
+    for d in divisors(world.size):
+        for h in (1, 2, 3):
+            for periodic in (False, True):
+                for uneven in (False, True):
+                    yield d, h, periodic, uneven
+
+
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_matches_global_reference(world, kind, layout):
+    template, dim = LAYOUTS[layout]
+    for d, h, periodic, uneven in all_cases(world):
+        with DomainParallelManager(world.size, d, shard_dim=dim) as manager:
+            shard, expected = local_case(manager, template, dim, h, periodic, uneven)
+            x = as_kind(shard, kind)
+            out = halo_exchange(x, h, periodic=periodic, manager=manager)
+            assert type(out) is type(x) and out.dtype == x.dtype
+            case = f"D={d} h={h} periodic={periodic} uneven={uneven}"
+            assert out.shape == expected.shape, case
+            assert np.array_equal(to_numpy(out), expected), case
+
+
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+def test_plan_refreshes_ghosts_in_place(world, kind):
+    template, dim = LAYOUTS["4d-dim-2"]
+    for d, h, periodic, uneven in all_cases(world):
+        with DomainParallelManager(world.size, d) as manager:
+            shard, expected = local_case(manager, template, dim, h, periodic, uneven)
+            x = as_kind(shard, kind)
+            with HaloPlan(x, h, dim, periodic=periodic, manager=manager) as plan:
+                padded = plan.empty()
+                assert tuple(padded.shape) == plan.padded_shape == expected.shape
+                plan.interior(padded)[...] = x
+                interior_address = to_numpy(plan.interior(padded)).__array_interface__["data"][0]
+                for step in range(3):
+                    to_numpy(padded)[...] = -7  # stale ghosts must all be overwritten
+                    plan.interior(padded)[...] = x
+                    if step == 2:
+                        plan.start(padded)
+                        assert plan.wait() is padded
+                    else:
+                        assert plan.exchange(padded) is padded
+                    assert np.array_equal(to_numpy(padded), expected), f"D={d} h={h} periodic={periodic} step={step}"
+                assert to_numpy(plan.interior(padded)).__array_interface__["data"][0] == interior_address
+                other = plan.pad(x)  # a second array rebinds the persistent requests
+                assert np.array_equal(to_numpy(other), expected)
+                assert np.array_equal(to_numpy(plan.exchange(padded)), expected)
+
+
+def test_uneven_era5_latitudes(world):
+    """721 latitudes over the domain group: 181/180/180/180 with four ranks."""
+    d = world.size
+    with DomainParallelManager(world.size, d) as manager:
+        field = global_field((1, 2, "N", 3), 721, seed=5)
+        start, n = shard_bounds(721, d, manager.domain_rank)
+        if d == 4:
+            assert n == (181 if manager.domain_rank == 0 else 180)
+        for periodic in (False, True):
+            out = halo_exchange(field[:, :, start:start + n], 2, periodic=periodic, manager=manager)
+            assert np.array_equal(out, reference(field, -2, 2, periodic, start, n))
+
+
+@pytest.mark.parametrize("transport", ["packed", "staged"])
+def test_device_transports_on_host(world, monkeypatch, transport):
+    """The packed and staged paths (used for GPU memory) give the datatype path's results."""
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(halo, "_TRANSPORT_OVERRIDE", transport)
+    template, dim = LAYOUTS["5d-dim3"]
+    for d in divisors(world.size):
+        for h, periodic, uneven in ((1, False, True), (3, True, False), (2, True, True)):
+            with DomainParallelManager(world.size, d) as manager:
+                shard, expected = local_case(manager, template, dim, h, periodic, uneven)
+                for x in (shard, torch.from_numpy(shard.copy())):
+                    out = halo_exchange(x, h, dim, periodic=periodic, manager=manager)
+                    assert np.array_equal(to_numpy(out), expected)
+                    with HaloPlan(x, h, dim, periodic=periodic, manager=manager) as plan:
+                        assert plan.transport == transport
+                        padded = plan.pad(x)
+                        plan.interior(padded)[...] = x
+                        assert np.array_equal(to_numpy(plan.exchange(padded)), expected)
+
+
+@pytest.mark.parametrize("dtype", ["float64", "int16", "complex64", "bool", "bfloat16", "float16"])
+def test_dtypes_travel_bitwise(world, dtype):
+    torch = pytest.importorskip("torch")
+    with DomainParallelManager(world.size, world.size) as manager:
+        shard, expected = local_case(manager, (2, "N", 3), 1, 2, True, True, dtype="float32")
+        if dtype == "bfloat16":
+            x = torch.from_numpy(shard).to(torch.bfloat16)
+            want = torch.from_numpy(expected).to(torch.bfloat16)
+        else:
+            x = shard.astype(dtype) if dtype != "bool" else shard > 0
+            want = expected.astype(dtype) if dtype != "bool" else expected > 0
+        out = halo_exchange(x, 2, 1, periodic=True, manager=manager)
+        assert out.dtype == x.dtype
+        if dtype == "bfloat16":
+            assert torch.equal(out.view(torch.int16), want.view(torch.int16))
+        else:
+            assert np.array_equal(out, want)
+
+
+def test_zero_width_and_noncontiguous_input(world):
+    with DomainParallelManager(world.size, world.size) as manager:
+        shard, expected = local_case(manager, (3, "N", 4), 1, 1, False, False)
+        out = halo_exchange(shard, 0, 1, manager=manager)
+        assert np.array_equal(out, shard) and out is not shard
+        transposed = np.ascontiguousarray(np.swapaxes(shard, 0, 2)).swapaxes(0, 2)  # same values, other strides
+        assert not transposed.flags.c_contiguous
+        assert np.array_equal(halo_exchange(transposed, 1, 1, manager=manager), expected)
+
+
+def test_default_dim_is_the_managers_shard_dim(world, fresh_manager):
+    mpidomain.initialize_domain_parallel(world.size, world.size, shard_dim=-1, abort_on_error=False)
+    manager = mpidomain.get_domain_parallel_manager()
+    shard, expected = local_case(manager, (2, 3, "N"), -1, 1, True, False)
+    assert np.array_equal(halo_exchange(shard, 1, periodic=True), expected)
+
+
+# -- the plan cache and lifetimes ------------------------------------------------------
+
+
+def test_cache_is_bounded_and_frees_evicted_plans(world):
+    with DomainParallelManager(world.size, world.size) as manager:
+        x = np.zeros((2, 4, 3), np.float32)
+        halo_exchange(x, 1, 1, manager=manager)
+        first = next(p for p in halo._PLANS.values() if p.manager is manager)
+        halo_exchange(x, 1, 1, manager=manager)
+        assert [p for p in halo._PLANS.values() if p.manager is manager] == [first]  # a hit, not a new plan
+        for width in range(2, 2 + halo._CACHE_SIZE):
+            halo_exchange(np.zeros((2, 20, 3), np.float32), width, 1, manager=manager)
+        assert len(halo._PLANS) <= halo._CACHE_SIZE
+        assert first.freed and first.live_handles() == {"requests": 0, "datatypes": 0, "communicators": 0}
+    assert not [p for p in halo._PLANS.values() if p.manager is manager]
+
+
+def test_manager_close_frees_plans(world):
+    manager = DomainParallelManager(world.size, world.size)
+    x = np.zeros((2, 4, 3))
+    cached = halo.cached_plan(x, 1, 1, manager=manager)
+    own = HaloPlan(x, 2, 1, periodic=True, manager=manager)
+    own.exchange(own.pad(x))
+    manager.close()
+    for plan in (cached, own):
+        assert plan.freed and plan.live_handles() == {"requests": 0, "datatypes": 0, "communicators": 0}
+    with pytest.raises(RuntimeError, match="was freed"):
+        own.exchange(np.zeros(own.padded_shape))
+    with pytest.raises(RuntimeError, match="is closed"):
+        halo_exchange(x, 1, 1, manager=manager)
+
+
+def _rss_bytes():
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * 4096
+
+
+def test_ten_thousand_exchanges_leak_nothing(world):
+    """6,000 in-place exchanges and 4,000 halo_exchange calls: flat memory, no MPI handles left."""
+    with DomainParallelManager(world.size, world.size) as manager:
+        x = np.arange(2 * 4 * 8, dtype=np.float32).reshape(2, 4, 8)
+        plan = HaloPlan(x, 1, 1, periodic=True, manager=manager)
+        padded = plan.pad(x)
+        for _ in range(200):  # warm up allocators and caches
+            plan.exchange(padded)
+            halo_exchange(x, 1, 1, periodic=True, manager=manager)
+        gc.collect()
+        tracemalloc.start()
+        before, rss_before = tracemalloc.get_traced_memory()[0], _rss_bytes()
+        for _ in range(6000):
+            plan.exchange(padded)
+        for _ in range(4000):
+            halo_exchange(x, 1, 1, periodic=True, manager=manager)
+        gc.collect()
+        after, rss_after = tracemalloc.get_traced_memory()[0], _rss_bytes()
+        tracemalloc.stop()
+        assert after - before < 16 * 1024, f"Python allocations grew by {after - before} bytes"
+        assert rss_after - rss_before < 4 * 1024 * 1024, f"RSS grew by {rss_after - rss_before} bytes"
+        expected = reference(x, 1, 1, True, 0, 4) if world.size == 1 else None
+        if expected is not None:
+            assert np.array_equal(padded, expected)
+        cached = [p for p in halo._PLANS.values() if p.manager is manager]
+        handles = [*plan._requests, *plan._datatypes.values(), plan._comm]
+        for p in cached:
+            handles += [*p._requests, *p._datatypes.values(), p._comm]
+        live = plan.live_handles()
+        assert world.size == 1 or (live["requests"] == 4 and live["datatypes"] == 2), live
+        plan.free()
+    for p in [plan, *cached]:
+        assert p.live_handles() == {"requests": 0, "datatypes": 0, "communicators": 0}
+    null = (MPI.REQUEST_NULL, MPI.DATATYPE_NULL, MPI.COMM_NULL)
+    assert all(any(handle == n for n in null) for handle in handles)
+
+
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+def test_pad_reuses_memory_only_once_dropped(world, kind):
+    with DomainParallelManager(world.size, world.size) as manager:
+        shard, expected = local_case(manager, (2, "N", 3), 1, 1, True, True)
+        x = as_kind(shard, kind)
+        first = halo_exchange(x, 1, 1, periodic=True, manager=manager)
+        address = to_numpy(first).__array_interface__["data"][0]
+        second = halo_exchange(x, 1, 1, periodic=True, manager=manager)  # `first` is alive: new memory
+        assert to_numpy(second).__array_interface__["data"][0] != address
+        kept = to_numpy(second)[0]  # a view keeps `second`'s memory alive too
+        second_address = to_numpy(second).__array_interface__["data"][0]
+        del first, second
+        third = halo_exchange(x, 1, 1, periodic=True, manager=manager)
+        assert to_numpy(third).__array_interface__["data"][0] != second_address
+        assert np.array_equal(to_numpy(third), expected) and np.array_equal(kept, expected[0])
+        third_address = to_numpy(third).__array_interface__["data"][0]
+        to_numpy(third)[...] = -1
+        del third
+        fourth = halo_exchange(x, 1, 1, periodic=True, manager=manager)  # dropped: its memory comes back
+        assert to_numpy(fourth).__array_interface__["data"][0] == third_address
+        assert np.array_equal(to_numpy(fourth), expected)
