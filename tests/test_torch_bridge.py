@@ -6,6 +6,8 @@ default group, a disagreeing torch.distributed) runs jobs in subprocesses.
 """
 
 import json
+import os
+import re
 import socket
 
 import pytest
@@ -13,7 +15,7 @@ from mpi4py import MPI
 
 import mpidomain
 from mpidomain import torch_bridge
-from mpitest import divisors, run_mpi, run_python
+from mpitest import REPO, divisors, run_mpi, run_python
 
 torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
@@ -372,3 +374,18 @@ def test_default_group_destroyed_only_by_its_creator(world):
         result = run_mpi(2, ["-c", LIFECYCLE_SCRIPT], timeout=180, env=UNSET)
         assert result.returncode == 0, result.stderr
         assert "rank 0 ok" in result.stdout and "rank 1 ok" in result.stdout, result.stdout
+
+
+def test_ddp_example_matches_single_process(world):
+    pytest.importorskip("mpidomain.nn")
+    if world.rank == 0:
+        script = os.path.join(REPO, "scripts", "train_ddp_domain.py")
+        result = run_mpi(4, [script, "--domain-parallel-size", "2", "--steps", "4"], timeout=240, env=UNSET)
+        assert result.returncode == 0, result.stderr
+        steps = [re.fullmatch(r"step (\d+): loss ([\d.]+) \(single process ([\d.]+)\)", line)
+                 for line in result.stdout.splitlines() if line.startswith("step ")]
+        assert [int(m.group(1)) for m in steps] == [0, 1, 2, 3], result.stdout
+        losses = [(float(m.group(2)), float(m.group(3))) for m in steps]
+        for loss, reference in losses:
+            assert loss == pytest.approx(reference, rel=1e-9)
+        assert all(later[0] < earlier[0] for earlier, later in zip(losses, losses[1:])), losses
