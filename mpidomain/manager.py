@@ -85,7 +85,7 @@ class DomainParallelManager:
         raise_on_all_ranks(comm, _argument_error(world_size, domain_parallel_size, shard_dim, comm.Get_size()))
         raise_on_all_ranks(comm, _disagreement(comm, (world_size, domain_parallel_size, shard_dim, bool(torch_bridge))))
         self.torch_bridge = bool(torch_bridge)
-        self._shares_torch_default_group = self.torch_bridge and bridge.acquire_default_group(comm)
+        self._torch_default_group = bridge.acquire_default_group(comm) if self.torch_bridge else None
 
         self.world_size = int(world_size)
         self.domain_parallel_size = int(domain_parallel_size)
@@ -262,8 +262,9 @@ class DomainParallelManager:
         if self._torch_groups:
             bridge.destroy_torch_groups(self._torch_groups)
             self._torch_groups = ()
-        if self._shares_torch_default_group:
-            bridge.release_default_group()
+        if self._torch_default_group is not None:
+            bridge.release_default_group(self._torch_default_group)
+            self._torch_default_group = None
         if is_active():
             for name in ("_domain_comm", "_dp_comm", "_node_comm", "_comm"):
                 getattr(self, name).Free()

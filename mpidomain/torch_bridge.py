@@ -7,13 +7,22 @@ Importing this module imports neither MPI nor torch.
 """
 
 import datetime
+import inspect
 import ipaddress
 import os
 import socket
 
 from ._mpi import check_same, mpi, raise_on_all_ranks
 
-__all__ = ["init_torch_distributed", "master_address", "master_port", "new_torch_groups", "destroy_torch_groups"]
+__all__ = [
+    "init_torch_distributed",
+    "master_address",
+    "master_port",
+    "acquire_default_group",
+    "release_default_group",
+    "new_torch_groups",
+    "destroy_torch_groups",
+]
 
 # The default process group when a bridged manager created it, and how many live managers use it.
 _managed_default_group = None
@@ -29,7 +38,11 @@ def master_address(environ=None):
 
 
 def master_port(environ=None):
-    """Return the rendezvous port: ``MASTER_PORT`` if set, else a free port found by binding port 0."""
+    """Return the rendezvous port: ``MASTER_PORT`` if set, else a free port found by binding port 0.
+
+    A port found free can be taken by another process before the rendezvous
+    binds it; where that happens, set ``MASTER_PORT``.
+    """
     env = os.environ if environ is None else environ
     value = env.get("MASTER_PORT")
     if value:
@@ -158,8 +171,12 @@ def init_torch_distributed(backend=None, *, comm=None, timeout=None):
             error = RuntimeError("this torch build has no torch.distributed; install a build with it")
     except ImportError as missing:
         error = RuntimeError(f"init_torch_distributed needs PyTorch ({missing}); pip install 'mpidomain[torch]'")
+    else:
+        try:
+            timeout = _timedelta(timeout)
+        except TypeError as bad:
+            error = bad
     raise_on_all_ranks(comm, error)
-    timeout = _timedelta(timeout)
     if any(comm.allgather(dist.is_initialized())):
         _check_existing(dist, comm)
         return False
@@ -167,7 +184,8 @@ def init_torch_distributed(backend=None, *, comm=None, timeout=None):
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
     backend = check_same(comm, str(backend), "backend",
-                         "CUDA is available on some ranks only; pass backend= explicitly")
+                         "Pass the same backend= on every rank (with backend=None, CUDA was available on some "
+                         "ranks only).")
     rank, size = comm.Get_rank(), comm.Get_size()
     local_rank, local_size = _local_layout(comm)
     rendezvous, error = None, None
@@ -186,40 +204,46 @@ def init_torch_distributed(backend=None, *, comm=None, timeout=None):
     options = {}
     if timeout is not None:
         options["timeout"] = timeout
-    if "nccl" in backend and torch.cuda.is_available():
+    takes_device = "device_id" in inspect.signature(dist.init_process_group).parameters  # torch >= 2.3
+    if "nccl" in backend and torch.cuda.is_available() and takes_device:
         options["device_id"] = _bound_device(torch, local_rank)
     host = f"[{address}]" if ":" in address else address
     dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=rank, world_size=size, **options)
     return True
 
 
-def acquire_default_group(comm, timeout=None):
+def acquire_default_group(comm):
     """Make sure torch.distributed is initialised over ``comm`` for a bridged manager.
 
-    Collective over ``comm``. Returns True if the manager now shares the
-    default group that a bridged manager created (and must release it), False
-    if the program initialised torch.distributed itself.
+    Collective over ``comm``. Returns the default group if bridged managers
+    created it (the caller then shares it and must release it), None if the
+    program initialised torch.distributed itself.
     """
     global _managed_default_group, _managed_default_users
     import torch.distributed as dist
 
-    created = init_torch_distributed(comm=comm, timeout=timeout)
-    if created:
+    if init_torch_distributed(comm=comm):
         _managed_default_group, _managed_default_users = dist.group.WORLD, 0
     if dist.group.WORLD is not _managed_default_group:
-        return False
+        return None
     _managed_default_users += 1
-    return True
+    return _managed_default_group
 
 
-def release_default_group():
-    """Drop a manager's share of the default group; destroy it when the last one goes."""
+def release_default_group(group):
+    """Drop a share of ``group`` from :func:`acquire_default_group`; destroy it when the last share goes.
+
+    Collective over the default group's ranks. A group the program destroyed
+    and replaced meanwhile is left alone.
+    """
     global _managed_default_group, _managed_default_users
     import torch.distributed as dist
 
+    if group is not _managed_default_group:
+        return
     _managed_default_users -= 1
     if _managed_default_users == 0:
-        if dist.is_initialized() and dist.group.WORLD is _managed_default_group:
+        if dist.is_initialized() and dist.group.WORLD is group:
             dist.destroy_process_group()
         _managed_default_group = None
 

@@ -308,12 +308,13 @@ def attempt(what, call):
     try:
         call()
         line = f"rank {world.rank} {what}: no error"
-    except RuntimeError as error:
-        line = f"rank {world.rank} {what}: RuntimeError: {' | '.join(str(error).splitlines())}"
+    except (RuntimeError, ValueError) as error:
+        line = f"rank {world.rank} {what}: {type(error).__name__}: {' | '.join(str(error).splitlines())}"
     lines = world.gather(line)
     if world.rank == 0:
         print("\n".join(lines), flush=True)
 
+attempt("backends", lambda: mpidomain.init_torch_distributed("gloo" if world.rank else "mpi"))
 # Ranks 0 and 2 swapped; rank 1 agrees with MPI but must raise too.
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=world.size - 1 - world.rank,
                         world_size=world.size)
@@ -333,6 +334,8 @@ def test_disagreeing_torch_distributed_raises_on_every_rank(world):
         assert result.returncode == 0, result.stderr
         lines = result.stdout.splitlines()
         for rank in range(3):
+            line = next(l for l in lines if l.startswith(f"rank {rank} backends:"))
+            assert "ValueError: backend must be the same on every rank, got rank 0: 'mpi', rank 1: 'gloo'" in line
             for what in ("swapped", "bridged manager"):
                 line = next(l for l in lines if l.startswith(f"rank {rank} {what}:"))
                 assert "2 of 3 ranks rejected the call" in line and "already initialised with rank" in line, line
@@ -389,3 +392,25 @@ def test_ddp_example_matches_single_process(world):
         for loss, reference in losses:
             assert loss == pytest.approx(reference, rel=1e-9)
         assert all(later[0] < earlier[0] for earlier, later in zip(losses, losses[1:])), losses
+
+
+NCCL_SCRIPT = """
+import torch, torch.distributed as dist
+import mpidomain
+assert mpidomain.init_torch_distributed() is True
+assert dist.get_backend() == "nccl", dist.get_backend()
+device = torch.device("cuda", torch.cuda.current_device())
+assert dist.group.WORLD.bound_device_id == device, (dist.group.WORLD.bound_device_id, device)
+total = torch.ones(1, device=device)
+dist.all_reduce(total)
+assert total.item() == 1.0
+dist.destroy_process_group()
+print("nccl ok", flush=True)
+"""
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and dist.is_nccl_available()), reason="needs CUDA and NCCL")
+def test_nccl_with_bound_device_where_cuda_exists(world):
+    if world.rank == 0:
+        result = run_python(["-c", NCCL_SCRIPT], timeout=180, env=UNSET)
+        assert result.returncode == 0 and "nccl ok" in result.stdout, result.stderr
