@@ -30,7 +30,11 @@ _managed_default_users = 0
 
 
 def master_address(environ=None):
-    """Return the rendezvous host: ``MASTER_ADDR`` if set, else a non-loopback address of this host, else its hostname."""
+    """Return the rendezvous host: ``MASTER_ADDR`` if set, else a non-loopback address of this host, else its name.
+
+    The address comes from resolving the host's names, then from the source
+    address of its default routes (link-local addresses are skipped).
+    """
     env = os.environ if environ is None else environ
     if env.get("MASTER_ADDR"):
         return env["MASTER_ADDR"]
