@@ -254,10 +254,6 @@ dist.destroy_process_group()
 """
 
 
-# The suite's own process set these (torch_world); a fresh job must not inherit them.
-UNSET = {name: "" for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-
-
 def _reports(result, n):
     assert result.returncode == 0, result.stderr
     reports = json.loads(result.stdout.split("reports:", 1)[1])
@@ -267,7 +263,7 @@ def _reports(result, n):
 
 def test_environment_chosen_and_broadcast(world):
     if world.rank == 0:
-        reports = _reports(run_mpi(2, ["-c", ENV_SCRIPT], timeout=120, env=UNSET), 2)
+        reports = _reports(run_mpi(2, ["-c", ENV_SCRIPT], timeout=120), 2)
         first = reports[0]["env"]
         assert first["MASTER_ADDR"] == torch_bridge.master_address({})
         for rank, report in enumerate(reports):
@@ -283,7 +279,7 @@ def test_environment_chosen_and_broadcast(world):
 def test_preset_environment_is_used_and_kept(world):
     if world.rank == 0:
         port = torch_bridge.master_port({})
-        preset = {**UNSET, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        preset = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
         reports = _reports(run_mpi(2, ["-c", ENV_SCRIPT], timeout=120, env=preset), 2)
         for rank, report in enumerate(reports):
             assert report["torch"] == [rank, 2] and report["sum"] == 2.0
@@ -294,7 +290,7 @@ def test_preset_environment_is_used_and_kept(world):
 
 def test_plain_python_starts_a_world_of_one(world):
     if world.rank == 0:
-        reports = _reports(run_python(["-c", ENV_SCRIPT], timeout=120, env=UNSET), 1)
+        reports = _reports(run_python(["-c", ENV_SCRIPT], timeout=120), 1)
         assert reports[0]["torch"] == [0, 1] and reports[0]["env"]["RANK"] == "0"
 
 
@@ -330,7 +326,7 @@ attempt("rank 0 only", mpidomain.init_torch_distributed)
 
 def test_disagreeing_torch_distributed_raises_on_every_rank(world):
     if world.rank == 0:
-        result = run_mpi(3, ["-c", MISMATCH_SCRIPT], timeout=120, env=UNSET)
+        result = run_mpi(3, ["-c", MISMATCH_SCRIPT], timeout=120)
         assert result.returncode == 0, result.stderr
         lines = result.stdout.splitlines()
         for rank in range(3):
@@ -374,7 +370,7 @@ print(f"rank {MPI.COMM_WORLD.rank} ok", flush=True)
 
 def test_default_group_destroyed_only_by_its_creator(world):
     if world.rank == 0:
-        result = run_mpi(2, ["-c", LIFECYCLE_SCRIPT], timeout=180, env=UNSET)
+        result = run_mpi(2, ["-c", LIFECYCLE_SCRIPT], timeout=180)
         assert result.returncode == 0, result.stderr
         assert "rank 0 ok" in result.stdout and "rank 1 ok" in result.stdout, result.stdout
 
@@ -383,7 +379,7 @@ def test_ddp_example_matches_single_process(world):
     pytest.importorskip("mpidomain.nn")
     if world.rank == 0:
         script = os.path.join(REPO, "scripts", "train_ddp_domain.py")
-        result = run_mpi(4, [script, "--domain-parallel-size", "2", "--steps", "4"], timeout=240, env=UNSET)
+        result = run_mpi(4, [script, "--domain-parallel-size", "2", "--steps", "4"], timeout=240)
         assert result.returncode == 0, result.stderr
         steps = [re.fullmatch(r"step (\d+): loss ([\d.]+) \(single process ([\d.]+)\)", line)
                  for line in result.stdout.splitlines() if line.startswith("step ")]
@@ -412,5 +408,5 @@ print("nccl ok", flush=True)
 @pytest.mark.skipif(not (torch.cuda.is_available() and dist.is_nccl_available()), reason="needs CUDA and NCCL")
 def test_nccl_with_bound_device_where_cuda_exists(world):
     if world.rank == 0:
-        result = run_python(["-c", NCCL_SCRIPT], timeout=180, env=UNSET)
+        result = run_python(["-c", NCCL_SCRIPT], timeout=180)
         assert result.returncode == 0 and "nccl ok" in result.stdout, result.stderr
