@@ -410,3 +410,14 @@ def test_nccl_with_bound_device_where_cuda_exists(world):
     if world.rank == 0:
         result = run_python(["-c", NCCL_SCRIPT], timeout=180)
         assert result.returncode == 0 and "nccl ok" in result.stdout, result.stderr
+
+
+def test_group_creation_benchmark_prints_ratios(world):
+    if world.rank == 0:
+        script = os.path.join(REPO, "scripts", "bench_torch_groups.py")
+        result = run_mpi(4, [script, "--repeats", "2"], timeout=240)
+        assert result.returncode == 0, result.stderr
+        lines = result.stdout.splitlines()
+        assert "4 ranks, D=2: 2 domain + 2 data-parallel groups" in lines[0], result.stdout
+        assert "(baseline)" in lines[1] and "x 1.00" in lines[1]
+        assert "new_subgroups_by_enumeration" in lines[2] and "use_local_synchronization" in lines[3]
