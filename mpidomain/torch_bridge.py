@@ -117,11 +117,12 @@ def _bound_device(torch, local_rank):
     return torch.device("cuda", torch.cuda.current_device())
 
 
-def _check_existing(dist, comm):
-    """Raise on every rank unless torch.distributed is initialised everywhere with MPI's rank and size."""
+def _check_existing(dist, comm, states):
+    """Raise on every rank unless torch.distributed is initialised everywhere with MPI's rank and size.
+
+    ``states`` is every rank's ``dist.is_initialized()``.
+    """
     rank, size = comm.Get_rank(), comm.Get_size()
-    initialised = dist.is_initialized()
-    states = comm.allgather(initialised)
     error = None
     if not all(states):
         missing = [r for r, s in enumerate(states) if not s]
@@ -181,8 +182,9 @@ def init_torch_distributed(backend=None, *, comm=None, timeout=None):
         except TypeError as bad:
             error = bad
     raise_on_all_ranks(comm, error)
-    if any(comm.allgather(dist.is_initialized())):
-        _check_existing(dist, comm)
+    states = comm.allgather(dist.is_initialized())
+    if any(states):
+        _check_existing(dist, comm, states)
         return False
 
     if backend is None:
