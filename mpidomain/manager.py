@@ -14,6 +14,7 @@ import logging
 import numbers
 
 from . import abort
+from . import torch_bridge as bridge
 from ._mpi import is_active, mpi, raise_on_all_ranks
 from .launcher import check_launcher_world, detect_launcher
 
@@ -66,7 +67,10 @@ class DomainParallelManager:
     :param domain_parallel_size: Ranks per domain-parallel group (D).
     :param shard_dim: Spatial dimension to shard; -2 is latitude (H) in (B, C, H, W).
     :param comm: Parent mpi4py communicator; it is duplicated, never used directly.
-    :param torch_bridge: Make ``domain_group``/``data_parallel_group`` torch groups.
+    :param torch_bridge: Make ``domain_group``/``data_parallel_group`` torch.distributed
+        groups with the communicators' membership and rank order, initialising
+        torch.distributed from MPI (:func:`mpidomain.init_torch_distributed`) when
+        needed; ``domain_comm``/``data_parallel_comm`` stay MPI.
     """
 
     def __init__(self, world_size, domain_parallel_size, shard_dim=-2, *, comm=None, torch_bridge=False):
@@ -80,11 +84,8 @@ class DomainParallelManager:
             )
         raise_on_all_ranks(comm, _argument_error(world_size, domain_parallel_size, shard_dim, comm.Get_size()))
         raise_on_all_ranks(comm, _disagreement(comm, (world_size, domain_parallel_size, shard_dim, bool(torch_bridge))))
-        if torch_bridge:
-            raise NotImplementedError(
-                "torch_bridge=True (torch.distributed groups mirroring the MPI communicators) "
-                "is not available yet; use manager.domain_comm / manager.data_parallel_comm"
-            )
+        self.torch_bridge = bool(torch_bridge)
+        self._torch_default_group = bridge.acquire_default_group(comm) if self.torch_bridge else None
 
         self.world_size = int(world_size)
         self.domain_parallel_size = int(domain_parallel_size)
@@ -113,6 +114,13 @@ class DomainParallelManager:
 
         self._domain_group = self._domain_comm
         self._dp_group = self._dp_comm
+        self._torch_groups = ()
+        if self.torch_bridge:
+            self._torch_groups = bridge.new_torch_groups(
+                [self.domain_group_ranks(i) for i in range(self.data_parallel_size)],
+                [self.data_parallel_group_ranks(i) for i in range(self.domain_parallel_size)],
+            )
+            self._domain_group, self._dp_group = self._torch_groups
         self._closed = False
         self._close_callbacks = []
         logger.info(
@@ -123,12 +131,12 @@ class DomainParallelManager:
     # -- CREDIT's API -----------------------------------------------------
     @property
     def domain_group(self):
-        """Group for domain-parallel communication (halo exchange, reductions)."""
+        """Group for domain-parallel communication: a torch ProcessGroup if bridged, else the communicator."""
         return self._domain_group
 
     @property
     def data_parallel_group(self):
-        """Group for data-parallel communication (gradient sync)."""
+        """Group for gradient sync: a torch ProcessGroup if bridged, else the communicator."""
         return self._dp_group
 
     @property
@@ -236,7 +244,12 @@ class DomainParallelManager:
         self._close_callbacks.append(callback)
 
     def close(self):
-        """Free the communicators. Collective over the parent communicator; idempotent."""
+        """Free the communicators and destroy the torch groups this manager created.
+
+        Collective over the parent communicator; idempotent. The default torch
+        process group is destroyed only if a bridged manager created it and no
+        other bridged manager still uses it.
+        """
         global _MANAGER
         if self._closed:
             return
@@ -246,6 +259,12 @@ class DomainParallelManager:
         callbacks, self._close_callbacks = self._close_callbacks, []
         for callback in callbacks:
             callback(self)
+        if self._torch_groups:
+            bridge.destroy_torch_groups(self._torch_groups)
+            self._torch_groups = ()
+        if self._torch_default_group is not None:
+            bridge.release_default_group(self._torch_default_group)
+            self._torch_default_group = None
         if is_active():
             for name in ("_domain_comm", "_dp_comm", "_node_comm", "_comm"):
                 getattr(self, name).Free()

@@ -9,7 +9,10 @@ import pytest
 
 # Launcher variables a nested mpiexec must not inherit from the job running the tests.
 _LAUNCHER_PREFIXES = ("PMI_", "PMIX_", "MPI_LOCAL", "HYDI_", "HYDRA_", "OMPI_", "PRTE_", "PALS_",
-                      "SLURM_", "ALPS_", "JSM_", "I_MPI_")
+                      "SLURM_", "ALPS_", "JSM_", "I_MPI_", "TORCHELASTIC_")
+# torch.distributed's rendezvous variables: torchrun sets them, and so does the suite's own
+# process once it starts torch.distributed (init_torch_distributed).
+_TORCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -19,8 +22,8 @@ def divisors(n):
 
 
 def launcher_env(extra=None):
-    """Return the environment for a nested MPI job: ours minus launcher variables."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCHER_PREFIXES)}
+    """Return the environment for a nested MPI job: ours minus launcher and torch.distributed variables."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCHER_PREFIXES) and k not in _TORCH_VARIABLES}
     env["PYTHONPATH"] = os.pathsep.join(
         p for p in (REPO, env.get("PYTHONPATH")) if p
     )
