@@ -10,6 +10,7 @@ from .launcher import Launcher, detect_launcher
 from .manager import DomainParallelManager, get_domain_parallel_manager, initialize_domain_parallel
 from .reduce import allreduce
 from .sharding import balanced_split, gather_tensor, scatter_tensor, shard_batch, shard_tensor
+from .torch_bridge import init_torch_distributed
 
 __version__ = "0.1.0"
 
@@ -29,4 +30,5 @@ __all__ = [
     "shard_batch",
     "balanced_split",
     "allreduce",
+    "init_torch_distributed",
 ]

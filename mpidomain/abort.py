@@ -7,6 +7,7 @@ prefixed with the rank, then calls ``Abort`` on the world communicator.
 
 import os
 import sys
+import time
 import traceback
 
 from ._mpi import is_active, mpi
@@ -14,6 +15,7 @@ from ._mpi import is_active, mpi
 __all__ = ["install_abort_on_error", "uninstall_abort_on_error", "abort_on_error_enabled"]
 
 _previous_hook = None
+_FORWARD_SECONDS = 0.5
 
 
 def abort_on_error_enabled(requested=None):
@@ -40,6 +42,8 @@ def _abort_hook(kind, value, tb):
                      "(set MPIDOMAIN_ABORT_ON_ERROR=0 to disable)\n")
     sys.stderr.flush()
     if world.Get_size() > 1:
+        # Give the launcher a moment to forward the traceback before it tears the job down.
+        time.sleep(_FORWARD_SECONDS)
         world.Abort(1)
 
 

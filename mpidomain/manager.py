@@ -14,6 +14,7 @@ import logging
 import numbers
 
 from . import abort, binding
+from . import torch_bridge as bridge
 from ._mpi import is_active, mpi, raise_on_all_ranks
 from .launcher import check_launcher_world, detect_launcher
 
@@ -66,7 +67,10 @@ class DomainParallelManager:
     :param domain_parallel_size: Ranks per domain-parallel group (D).
     :param shard_dim: Spatial dimension to shard; -2 is latitude (H) in (B, C, H, W).
     :param comm: Parent mpi4py communicator; it is duplicated, never used directly.
-    :param torch_bridge: Make ``domain_group``/``data_parallel_group`` torch groups.
+    :param torch_bridge: Make ``domain_group``/``data_parallel_group`` torch.distributed
+        groups with the communicators' membership and rank order, initialising
+        torch.distributed from MPI (:func:`mpidomain.init_torch_distributed`) when
+        needed; ``domain_comm``/``data_parallel_comm`` stay MPI.
     :param bind_device: GPU per rank when torch or cupy (already imported) sees CUDA:
         ``"auto"`` (node-local rank modulo the device count), a list (one device index per
         node-local rank) or ``"none"`` (leave it). See :func:`mpidomain.bind_device`.
@@ -86,11 +90,8 @@ class DomainParallelManager:
         raise_on_all_ranks(comm, _disagreement(
             comm, (world_size, domain_parallel_size, shard_dim, bool(torch_bridge), _plain(bind_device))))
         raise_on_all_ranks(comm, binding._policy_error(bind_device))
-        if torch_bridge:
-            raise NotImplementedError(
-                "torch_bridge=True (torch.distributed groups mirroring the MPI communicators) "
-                "is not available yet; use manager.domain_comm / manager.data_parallel_comm"
-            )
+        self.torch_bridge = bool(torch_bridge)
+        self._torch_default_group = bridge.acquire_default_group(comm) if self.torch_bridge else None
 
         self.world_size = int(world_size)
         self.domain_parallel_size = int(domain_parallel_size)
@@ -116,14 +117,22 @@ class DomainParallelManager:
         distinct_roots = sorted(set(node_roots))
         self._node_index = distinct_roots.index(node_roots[rank])
         self._num_nodes = len(distinct_roots)
-
-        self._domain_group = self._domain_comm
-        self._dp_group = self._dp_comm
-        self._closed = False
+        # Before any torch groups: NCCL communicators use the current device.
         self.device_binding = None
         if bind_device != "none":
             self.device_binding = binding._bind(bind_device, self._comm, self.local_rank, self.local_size,
                                                 self._node_index, binding._find_devices(import_libraries=False))
+
+        self._domain_group = self._domain_comm
+        self._dp_group = self._dp_comm
+        self._torch_groups = ()
+        if self.torch_bridge:
+            self._torch_groups = bridge.new_torch_groups(
+                [self.domain_group_ranks(i) for i in range(self.data_parallel_size)],
+                [self.data_parallel_group_ranks(i) for i in range(self.domain_parallel_size)],
+            )
+            self._domain_group, self._dp_group = self._torch_groups
+        self._closed = False
         self._close_callbacks = []
         logger.info(
             "domain parallel: rank %d, domain group %d (domain rank %d of %d), data-parallel rank %d of %d",
@@ -133,12 +142,12 @@ class DomainParallelManager:
     # -- CREDIT's API -----------------------------------------------------
     @property
     def domain_group(self):
-        """Group for domain-parallel communication (halo exchange, reductions)."""
+        """Group for domain-parallel communication: a torch ProcessGroup if bridged, else the communicator."""
         return self._domain_group
 
     @property
     def data_parallel_group(self):
-        """Group for data-parallel communication (gradient sync)."""
+        """Group for gradient sync: a torch ProcessGroup if bridged, else the communicator."""
         return self._dp_group
 
     @property
@@ -246,7 +255,12 @@ class DomainParallelManager:
         self._close_callbacks.append(callback)
 
     def close(self):
-        """Free the communicators. Collective over the parent communicator; idempotent."""
+        """Free the communicators and destroy the torch groups this manager created.
+
+        Collective over the parent communicator; idempotent. The default torch
+        process group is destroyed only if a bridged manager created it and no
+        other bridged manager still uses it.
+        """
         global _MANAGER
         if self._closed:
             return
@@ -256,6 +270,12 @@ class DomainParallelManager:
         callbacks, self._close_callbacks = self._close_callbacks, []
         for callback in callbacks:
             callback(self)
+        if self._torch_groups:
+            bridge.destroy_torch_groups(self._torch_groups)
+            self._torch_groups = ()
+        if self._torch_default_group is not None:
+            bridge.release_default_group(self._torch_default_group)
+            self._torch_default_group = None
         if is_active():
             for name in ("_domain_comm", "_dp_comm", "_node_comm", "_comm"):
                 getattr(self, name).Free()

@@ -20,11 +20,13 @@ _HALF = ("float16", "bfloat16")
 
 
 def group_communicator(group, manager=None):
-    """Return the mpi4py communicator ``group`` names, or None when there is no manager.
+    """Return the mpi4py communicator ``group`` names, or None for a one-process job with no manager.
 
     ``group`` is ``"domain"``, ``"data_parallel"`` (the manager's
     communicators; ``manager`` defaults to the initialised one) or an mpi4py
-    intracommunicator, returned as it is. Local: no communication.
+    intracommunicator, returned as it is. Local: no communication. A group
+    name with no manager in a job of several processes is a RuntimeError:
+    silently skipping a gradient average would train each replica apart.
     """
     if isinstance(group, str):
         if group not in GROUPS:
@@ -32,6 +34,12 @@ def group_communicator(group, manager=None):
         if manager is None:
             manager = get_domain_parallel_manager()
         if manager is None:
+            if mpi().COMM_WORLD.Get_size() > 1:
+                raise RuntimeError(
+                    f"group={group!r} needs a domain-parallel manager, but none is initialised in this "
+                    f"{mpi().COMM_WORLD.Get_size()}-process job; call mpidomain.initialize_domain_parallel(...) "
+                    "first, or pass manager= or an mpi4py communicator as group"
+                )
             return None
         if manager.closed:
             raise RuntimeError(f"{manager!r} is closed; pass an open manager or call initialize_domain_parallel again")
@@ -97,7 +105,8 @@ def allreduce(x, op="sum", group="domain", manager=None):
     ``"max"``, ``"min"`` or ``"prod"``; ``group`` is ``"domain"``,
     ``"data_parallel"`` or an mpi4py communicator. The result has ``x``'s
     kind, dtype and device. Returns ``x`` itself when ``group`` is a name and
-    there is no manager (a group of one rank, as in :func:`shard_tensor`).
+    there is no manager in a one-process job (a group of one rank); with
+    several processes and no manager, a group name is a RuntimeError.
 
     Torch tensors are differentiable: the backward of a sum all-reduces the
     gradient (a mean divides it by the group size; max and min send it to the

@@ -70,3 +70,23 @@ def fresh_manager():
     current = manager_module.get_domain_parallel_manager()
     if current is not None:
         current.close()
+
+
+@pytest.fixture(scope="session")
+def torch_world():
+    """torch.distributed (gloo) started from MPI once per session; yields ``torch.distributed``.
+
+    torch.distributed can be initialised only once per process, so every
+    in-process torch test shares this default group; a test that needs a
+    fresh one runs a job in a subprocess.
+    """
+    pytest.importorskip("torch")
+    import torch.distributed as dist
+
+    import mpidomain
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")  # the suite's ranks share this machine
+    created = mpidomain.init_torch_distributed(backend="gloo")
+    yield dist
+    if created and dist.is_initialized():
+        dist.destroy_process_group()

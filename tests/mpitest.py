@@ -9,10 +9,15 @@ import pytest
 
 # Launcher variables a nested mpiexec must not inherit from the job running the tests.
 _LAUNCHER_PREFIXES = ("PMI_", "PMIX_", "MPI_LOCAL", "HYDI_", "HYDRA_", "OMPI_", "PRTE_", "PALS_",
-                      "SLURM_", "ALPS_", "JSM_", "I_MPI_")
+                      "SLURM_", "ALPS_", "JSM_", "I_MPI_", "TORCHELASTIC_")
+# torch.distributed's rendezvous variables: torchrun sets them, and so does the suite's own
+# process once it starts torch.distributed (init_torch_distributed).
+_TORCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 # ... except settings the user made for Open MPI, not variables a launcher set.
 _USER_SETTINGS = ("OMPI_ALLOW_RUN_AS_ROOT", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Every job the suite starts runs on this machine: torch.distributed rendezvous on loopback only.
+LOOPBACK = {"MASTER_ADDR": "127.0.0.1"}
 
 
 def divisors(n):
@@ -21,11 +26,16 @@ def divisors(n):
 
 
 def launcher_env(extra=None):
-    """Return the environment for a nested MPI job: ours minus launcher variables."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCHER_PREFIXES) or k in _USER_SETTINGS}
+    """Return the environment for a nested MPI job: ours minus launcher and torch.distributed variables.
+
+    ``MASTER_ADDR`` is set to loopback (the jobs run on this machine) unless ``extra`` says otherwise.
+    """
+    env = {k: v for k, v in os.environ.items() if (not k.startswith(_LAUNCHER_PREFIXES) or k in _USER_SETTINGS)
+           and k not in _TORCH_VARIABLES}
     env["PYTHONPATH"] = os.pathsep.join(
         p for p in (REPO, env.get("PYTHONPATH")) if p
     )
+    env.update(LOOPBACK)
     env.update(extra or {})
     return env
 

@@ -85,8 +85,12 @@ def test_device_paths_on_host_memory(world, monkeypatch, path):
             assert torch.allclose(param.grad, torch.stack([g[index] for g in everyone]).mean(0), rtol=1e-12)
 
 
-def test_no_manager_does_nothing(fresh_manager):
+def test_no_manager(world, fresh_manager):
     model, grads = _gradients(0)
+    if world.size > 1:
+        with pytest.raises(RuntimeError, match="needs a domain-parallel manager"):
+            allreduce_gradients(model)
+        return
     assert allreduce_gradients(model) == 0
     assert all(g is None or torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads))
 

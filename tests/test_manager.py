@@ -135,6 +135,9 @@ def test_disagreeing_arguments_raise_on_all(world):
     assert "rank 0: (" in str(info.value) and "rank 1: (" in str(info.value)
 
 
-def test_torch_bridge_not_yet(world):
-    with pytest.raises(NotImplementedError, match="torch_bridge=True"):
-        DomainParallelManager(world.size, 1, torch_bridge=True)
+def test_torch_bridge_groups_are_torch(world, torch_world):
+    with DomainParallelManager(world.size, 1, torch_bridge=True) as m:
+        assert isinstance(m.domain_group, torch_world.ProcessGroup)
+        assert isinstance(m.data_parallel_group, torch_world.ProcessGroup)
+        assert isinstance(m.domain_comm, MPI.Intracomm) and isinstance(m.data_parallel_comm, MPI.Intracomm)
+        assert m.torch_bridge

@@ -60,10 +60,15 @@ def test_device_paths_on_host_memory(world, monkeypatch, path):
     assert torch.equal(allreduce(x, "max", world), stacked.amax(0))
 
 
-def test_no_manager_returns_x(fresh_manager):
+def test_no_manager(world, fresh_manager):
     x = np.ones(3)
-    assert allreduce(x) is x and allreduce(x, "mean", "data_parallel") is x
-    assert group_communicator("domain") is None
+    if world.size == 1:
+        assert allreduce(x) is x and allreduce(x, "mean", "data_parallel") is x
+        assert group_communicator("domain") is None
+    else:
+        with pytest.raises(RuntimeError, match="needs a domain-parallel manager.*initialize_domain_parallel"):
+            allreduce(x)
+    assert np.array_equal(allreduce(x, "sum", world), x * world.size)
 
 
 def test_errors(world):

@@ -86,7 +86,8 @@ def allreduce_gradients(module_or_params, group="data_parallel", op="mean", mana
     or every rank raises ValueError listing what each had (one small Allreduce
     checks it). Gradients travel in flat buckets of about ``bucket_bytes``
     (one Allreduce each). Does nothing when ``group`` is a name and there is
-    no manager (a group of one rank).
+    no manager in a one-process job; with several processes that is a
+    RuntimeError (a skipped average would let the replicas drift apart).
     """
     params = _parameters(module_or_params)
     comm = group_communicator(group, manager)
