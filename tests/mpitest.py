@@ -92,3 +92,7 @@ def open_mpi_env():
     if os.geteuid() == 0:
         return {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
     return {}
+
+
+# srun --mpi=pmi2 (the CI cluster's plugin) starts MPICH-family programs; Open MPI 5 speaks PMIx only.
+needs_pmi2 = pytest.mark.skipif(open_mpi(), reason="srun --mpi=pmi2 cannot start Open MPI 5 programs (PMIx only)")

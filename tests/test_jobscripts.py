@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from mpitest import (OPENMPI_PYTHON, REPO, launcher_env, mpiexec_path, needs_openmpi, needs_slurm, open_mpi,
+from mpitest import (OPENMPI_PYTHON, REPO, launcher_env, mpiexec_path, needs_openmpi, needs_pmi2, needs_slurm, open_mpi,
                      open_mpi_env)
 
 SCRIPTS = os.path.join(REPO, "scripts")
@@ -118,6 +118,7 @@ def sbatch(tmp_path, *args):
 
 
 @needs_slurm
+@needs_pmi2
 def test_slurm_generic_sbatch(world, tmp_path):
     if world.rank == 0:
         code, out = sbatch(tmp_path, "--ntasks-per-node=2", os.path.join(SCRIPTS, "slurm_generic.sbatch"),

@@ -17,7 +17,7 @@ import pytest
 from mpi4py import MPI
 
 from mpidomain.launcher import check_launcher_world, detect_launcher
-from mpitest import OPENMPI_PYTHON, REPO, launcher_env, needs_openmpi, needs_slurm, open_mpi_env
+from mpitest import OPENMPI_PYTHON, REPO, launcher_env, needs_openmpi, needs_pmi2, needs_slurm, open_mpi_env
 
 INIT = "import mpidomain; from mpi4py import MPI; mpidomain.initialize_domain_parallel(MPI.COMM_WORLD.size, 1)"
 MPICH_HERE = MPI.Get_library_version().startswith("MPICH")
@@ -70,6 +70,7 @@ def test_srun_without_a_pmi_plugin_is_diagnosed():
 
 
 @needs_slurm
+@needs_pmi2
 def test_srun_pmi2_gives_the_layout(world):
     if world.rank == 0:
         result = run(["srun", "-n", "4", "--mpi=pmi2", sys.executable, "-m", "mpidomain", "info", "-D", "2"])
@@ -82,6 +83,7 @@ def test_srun_pmi2_gives_the_layout(world):
 
 
 @needs_slurm
+@needs_pmi2
 def test_srun_without_pmi_is_caught_on_every_rank(world):
     if world.rank == 0:
         result = run(["srun", "-n", "2", "--mpi=none", sys.executable, "-c", INIT])
