@@ -19,11 +19,12 @@ WORLD = MPI.COMM_WORLD
 
 
 @pytest.hookimpl(trylast=True)
-def pytest_sessionstart(session):
+def pytest_configure(config):
+    # Runs after the terminal plugin created its reporter, before anything is printed.
     if WORLD.Get_rank() != 0 and os.environ.get("MPIDOMAIN_TEST_VERBOSE_RANKS") != "1":
-        reporter = session.config.pluginmanager.getplugin("terminalreporter")
+        reporter = config.pluginmanager.getplugin("terminalreporter")
         if reporter is not None:
-            session.config.pluginmanager.unregister(reporter)
+            config.pluginmanager.unregister(reporter)
 
 
 def _summary(error):
