@@ -21,7 +21,6 @@ the median over rounds of the slowest rank's time. Target: mpidomain within
 
 import argparse
 import os
-import socket
 import sys
 import time
 
@@ -43,20 +42,6 @@ def _timed(comm, function):
     function()
     elapsed = time.perf_counter() - start
     return comm.allreduce(elapsed, op=MPI.MAX)
-
-
-def _init_gloo(comm):
-    import torch.distributed as dist
-
-    port = None
-    if comm.rank == 0:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(comm.bcast(port))
-    dist.init_process_group("gloo", rank=comm.rank, world_size=comm.size)
-    return dist
 
 
 def _gather_cases(comm, manager, shape, torch, dist):
@@ -162,7 +147,9 @@ def main():
     torch.set_num_threads(1)
     mpidomain.abort.install_abort_on_error()  # a failed check on one rank ends the job, not a hang
     comm = MPI.COMM_WORLD
-    dist = _init_gloo(comm)
+    import torch.distributed as dist
+
+    mpidomain.init_torch_distributed(backend="gloo", comm=comm)
     shape = tuple(args.shape)
     if comm.rank == 0:
         print(f"bench_collectives: {comm.size} ranks, field {shape} float32 ({np.prod(shape) * 4 / 1e6:.0f} MB), "

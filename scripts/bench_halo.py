@@ -27,7 +27,6 @@ slowest rank; ratios compare medians. Targets (2 ranks) are printed as pass/miss
 
 import argparse
 import os
-import socket
 import statistics
 import sys
 import time
@@ -61,18 +60,6 @@ def timed(functions, repetitions, warmup=3):
             times[name].append(time.perf_counter() - start)
     return {name: (WORLD.allreduce(statistics.median(t), op=MPI.MAX), WORLD.allreduce(min(t), op=MPI.MAX))
             for name, t in times.items()}
-
-
-def init_gloo():
-    """Start torch.distributed on gloo over this MPI world (address and port agreed over MPI)."""
-    port = None
-    if WORLD.rank == 0:
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(WORLD.bcast(port))
-    torch.distributed.init_process_group("gloo", rank=WORLD.rank, world_size=WORLD.size)
 
 
 def credit_gloo_exchange(x, h, dim, prev_rank, next_rank):
@@ -252,7 +239,7 @@ def main():
     args = parser.parse_args()
     torch.set_num_threads(1)  # one core per rank
     manager = mpidomain.initialize_domain_parallel(WORLD.size, WORLD.size)
-    init_gloo()
+    mpidomain.init_torch_distributed(backend="gloo")
     rows = []
     for shape, h in (((1, 64, 180, 1440), 1), ((1, 64, 180, 1440), 3), ((2, 16, 64, 128), 1)):
         large = shape[-2] * shape[-1] >= 100_000

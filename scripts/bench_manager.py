@@ -54,7 +54,7 @@ def worker(repeats):
     from mpi4py import MPI
 
     import torch.distributed as dist
-    from mpidomain import DomainParallelManager
+    from mpidomain import DomainParallelManager, init_torch_distributed
 
     comm = MPI.COMM_WORLD
     size, rank = comm.Get_size(), comm.Get_rank()
@@ -67,13 +67,7 @@ def worker(repeats):
     ours()  # warm up MPI's communicator machinery
     mpi_time = _median_time(comm, ours, repeats)
 
-    port = None
-    if rank == 0:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-    port = comm.bcast(port)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
+    init_torch_distributed(backend="gloo")
     torch_time = _median_time(comm, _credit_groups(size, d), max(2, repeats // 10))
     dist.destroy_process_group()
     if rank == 0:
