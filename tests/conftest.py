@@ -91,3 +91,17 @@ def torch_world():
     yield dist
     if created and dist.is_initialized():
         dist.destroy_process_group()
+
+
+@pytest.fixture(params=["staged", "cuda-aware"])
+def fake_device_path(request, monkeypatch):
+    """Send host arrays down the device code paths: staged through host buffers, or to a "CUDA-aware" MPI.
+
+    The GPU machines run the same paths on real device memory.
+    """
+    from mpidomain import devices
+
+    monkeypatch.setattr(devices, "is_device_array", lambda x: True)
+    monkeypatch.setattr(devices, "cuda_aware_decision",
+                        lambda refresh=False: devices.CudaAwareDecision(request.param == "cuda-aware", "test"))
+    return request.param

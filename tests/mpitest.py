@@ -25,6 +25,14 @@ def divisors(n):
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def nth_divisor(n, index):
+    """Return the ``index``-th divisor of ``n``, or skip the test (alike on every rank) if there is none."""
+    sizes = divisors(n)
+    if index >= len(sizes):
+        pytest.skip(f"world of {n} has only {len(sizes)} divisors")
+    return sizes[index]
+
+
 def launcher_env(extra=None):
     """Return the environment for a nested MPI job: ours minus launcher and torch.distributed variables.
 

@@ -8,7 +8,7 @@ from mpi4py import MPI
 
 from mpidomain import check
 from mpidomain.__main__ import main
-from mpitest import divisors, run_mpi
+from mpitest import nth_divisor, run_mpi
 
 
 def run(world, capsys, *args):
@@ -19,10 +19,7 @@ def run(world, capsys, *args):
 
 @pytest.mark.parametrize("d_index", range(3))
 def test_check_passes(world, capsys, fresh_manager, d_index):
-    sizes = divisors(world.size)
-    if d_index >= len(sizes):
-        pytest.skip(f"world of {world.size} has only {len(sizes)} divisors")
-    d = sizes[d_index]
+    d = nth_divisor(world.size, d_index)
     status, out = run(world, capsys, "-D", str(d), "--shape", f"2,3,{4 * d + 1},10", "--repeats", "2")
     assert status == 0
     if world.rank == 0:

@@ -5,7 +5,7 @@ import pytest
 from mpi4py import MPI
 
 from mpidomain import DomainParallelManager, devices
-from mpitest import divisors
+from mpitest import nth_divisor
 
 torch = pytest.importorskip("torch")
 from mpidomain.nn import allreduce_gradients  # noqa: E402  (needs torch)
@@ -31,10 +31,7 @@ def _gradients(replica):
 @pytest.mark.parametrize("bucket_bytes", [1, 200, 25 * 2**20])
 @pytest.mark.parametrize("d_index", range(3))
 def test_data_parallel_mean_equals_mean_of_replicas(world, d_index, bucket_bytes):
-    sizes = divisors(world.size)
-    if d_index >= len(sizes):
-        pytest.skip(f"world of {world.size} has only {len(sizes)} divisors")
-    with DomainParallelManager(world.size, sizes[d_index]) as m:
+    with DomainParallelManager(world.size, nth_divisor(world.size, d_index)) as m:
         replicas = [1000 * m.domain_rank + q for q in range(m.dp_world_size)]  # one data set per dp rank
         model, _ = _gradients(replicas[m.dp_rank])
         buckets = allreduce_gradients(model, manager=m, bucket_bytes=bucket_bytes)
@@ -71,12 +68,8 @@ def test_half_precision_reduces_in_float32(world):
     assert torch.allclose(param.grad.float(), torch.stack(grads).float().mean(0), rtol=1e-2)
 
 
-@pytest.mark.parametrize("path", ["staged", "cuda-aware"])
-def test_device_paths_on_host_memory(world, monkeypatch, path):
+def test_device_paths_on_host_memory(world, fake_device_path):
     """The device code paths, run on CPU tensors posing as device arrays."""
-    monkeypatch.setattr(devices, "is_device_array", lambda x: True)
-    monkeypatch.setattr(devices, "cuda_aware_decision",
-                        lambda refresh=False: devices.CudaAwareDecision(path == "cuda-aware", "test"))
     model, _ = _gradients(world.rank)
     allreduce_gradients(model, group=world, bucket_bytes=100)
     everyone = [_gradients(r)[1] for r in range(world.size)]

@@ -5,15 +5,12 @@ from mpi4py import MPI
 
 import mpidomain
 from mpidomain import DomainParallelManager, get_domain_parallel_manager, initialize_domain_parallel
-from mpitest import divisors
+from mpitest import nth_divisor
 
 
 @pytest.mark.parametrize("d_index", range(4))
 def test_layout_matches_seed(world, d_index):
-    sizes = divisors(world.size)
-    if d_index >= len(sizes):
-        pytest.skip(f"world of {world.size} has only {len(sizes)} divisors")
-    d = sizes[d_index]
+    d = nth_divisor(world.size, d_index)
     rank = world.rank
     with DomainParallelManager(world.size, d) as m:
         assert (m.world_size, m.domain_parallel_size, m.data_parallel_size) == (world.size, d, world.size // d)

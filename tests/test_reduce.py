@@ -5,7 +5,7 @@ import pytest
 
 from mpidomain import DomainParallelManager, allreduce, devices
 from mpidomain.reduce import group_communicator
-from mpitest import divisors
+from mpitest import nth_divisor
 
 REFERENCE = {"sum": np.sum, "mean": np.mean, "max": np.max, "min": np.min, "prod": np.prod}
 
@@ -22,10 +22,7 @@ def _members(m, group):
 @pytest.mark.parametrize("group", ["domain", "data_parallel"])
 @pytest.mark.parametrize("d_index", range(3))
 def test_matches_local_reduction(world, d_index, group):
-    sizes = divisors(world.size)
-    if d_index >= len(sizes):
-        pytest.skip(f"world of {world.size} has only {len(sizes)} divisors")
-    with DomainParallelManager(world.size, sizes[d_index]) as m:
+    with DomainParallelManager(world.size, nth_divisor(world.size, d_index)) as m:
         stacked = np.stack([_value(r) for r in _members(m, group)])
         for op, reference in REFERENCE.items():
             result = allreduce(_value(world.rank), op, group, m)
@@ -47,13 +44,9 @@ def test_torch_dtypes_and_communicators(world):
     assert scalar == world.size * (world.size - 1) // 2
 
 
-@pytest.mark.parametrize("path", ["staged", "cuda-aware"])
-def test_device_paths_on_host_memory(world, monkeypatch, path):
+def test_device_paths_on_host_memory(world, fake_device_path):
     """The device code paths, run on CPU tensors posing as device arrays."""
     torch = pytest.importorskip("torch")
-    monkeypatch.setattr(devices, "is_device_array", lambda x: True)
-    monkeypatch.setattr(devices, "cuda_aware_decision",
-                        lambda refresh=False: devices.CudaAwareDecision(path == "cuda-aware", "test"))
     stacked = torch.from_numpy(np.stack([_value(r) for r in range(world.size)]))
     x = torch.from_numpy(_value(world.rank))
     assert torch.allclose(allreduce(x, "sum", world), stacked.sum(0))

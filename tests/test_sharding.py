@@ -109,13 +109,9 @@ def test_torch_details(world):
         assert torch.equal(gather_tensor(shard_tensor(view, -1, m, allow_uneven=True).transpose(2, 3), -2, m), full)
 
 
-@pytest.mark.parametrize("path", ["staged", "cuda-aware"])
-def test_device_paths_on_host_memory(world, monkeypatch, path):
+def test_device_paths_on_host_memory(world, fake_device_path):
     """Run the device code paths on CPU tensors posing as device arrays (the GPU machines run them for real)."""
     torch = pytest.importorskip("torch")
-    monkeypatch.setattr(devices, "is_device_array", lambda x: True)
-    monkeypatch.setattr(devices, "cuda_aware_decision",
-                        lambda refresh=False: devices.CudaAwareDecision(path == "cuda-aware", "test"))
     d = world.size
     with DomainParallelManager(world.size, d) as m:
         full = torch.randn(2, 3, 2 * d + 1, 5, generator=torch.Generator().manual_seed(1), requires_grad=True)

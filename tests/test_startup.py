@@ -1,7 +1,6 @@
 """Fresh MPI jobs: import without MPI, the seed's 8-rank layout, info, and abort on error."""
 
 import re
-import sys
 
 from mpitest import open_mpi, run_mpi, run_python
 

@@ -16,7 +16,7 @@ from mpi4py import MPI
 
 import mpidomain
 from mpidomain import torch_bridge
-from mpitest import REPO, divisors, run_mpi, run_python
+from mpitest import REPO, nth_divisor, run_mpi, run_python
 
 torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
@@ -100,10 +100,7 @@ def test_torch_ranks_equal_mpi_ranks(world, torch_world):
 # -- bridged groups ------------------------------------------------------------
 @pytest.mark.parametrize("d_index", range(3))
 def test_bridged_groups_mirror_the_communicators(world, torch_world, d_index):
-    sizes = divisors(world.size)
-    if d_index >= len(sizes):
-        pytest.skip(f"world of {world.size} has only {len(sizes)} divisors")
-    d = sizes[d_index]
+    d = nth_divisor(world.size, d_index)
     with mpidomain.DomainParallelManager(world.size, d, torch_bridge=True) as m:
         for group, comm, ranks, rank in (
             (m.domain_group, m.domain_comm, m.domain_group_ranks(), m.domain_rank),
@@ -186,10 +183,7 @@ def global_field(shape, seed, dtype=torch.float64):
 
 @pytest.fixture(params=[0, 1, 2], ids=lambda i: f"d_index{i}")
 def bridged(request, world, torch_world):
-    sizes = divisors(world.size)
-    if request.param >= len(sizes):
-        pytest.skip(f"world of {world.size} has only {len(sizes)} divisors")
-    with mpidomain.DomainParallelManager(world.size, sizes[request.param], torch_bridge=True) as m:
+    with mpidomain.DomainParallelManager(world.size, nth_divisor(world.size, request.param), torch_bridge=True) as m:
         yield m
 
 
