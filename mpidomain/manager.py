@@ -15,7 +15,7 @@ import numbers
 
 from . import abort, binding
 from . import torch_bridge as bridge
-from ._mpi import is_active, mpi, raise_on_all_ranks
+from ._mpi import check_same, is_active, mpi, raise_on_all_ranks
 from .launcher import check_launcher_world, detect_launcher
 
 __all__ = ["DomainParallelManager", "initialize_domain_parallel", "get_domain_parallel_manager"]
@@ -86,10 +86,11 @@ class DomainParallelManager:
             raise TypeError(
                 f"comm must be an mpi4py intracommunicator such as MPI.COMM_WORLD, got {type(comm).__name__}"
             )
-        raise_on_all_ranks(comm, _argument_error(world_size, domain_parallel_size, shard_dim, comm.Get_size()))
-        raise_on_all_ranks(comm, _disagreement(
-            comm, (world_size, domain_parallel_size, shard_dim, bool(torch_bridge), _plain(bind_device))))
-        raise_on_all_ranks(comm, binding._policy_error(bind_device))
+        raise_on_all_ranks(comm, _argument_error(world_size, domain_parallel_size, shard_dim, comm.Get_size())
+                           or binding._policy_error(bind_device))
+        check_same(comm, (world_size, domain_parallel_size, shard_dim, bool(torch_bridge), _plain(bind_device)),
+                   "(world_size, domain_parallel_size, shard_dim, torch_bridge, bind_device)",
+                   "Pass the same values everywhere.")
         self.torch_bridge = bool(torch_bridge)
         self._torch_default_group = bridge.acquire_default_group(comm) if self.torch_bridge else None
 
@@ -299,19 +300,6 @@ class DomainParallelManager:
 def _plain(policy):
     """A device policy as comparable across ranks (tuples and lists alike)."""
     return list(policy) if isinstance(policy, tuple) else policy
-
-
-def _disagreement(comm, arguments):
-    """Return a ValueError if ranks passed different arguments, else None."""
-    everyone = comm.allgather(arguments)
-    if all(a == everyone[0] for a in everyone):
-        return None
-    listing = ", ".join(f"rank {r}: {a}" for r, a in enumerate(everyone))
-    return ValueError(
-        "(world_size, domain_parallel_size, shard_dim, torch_bridge, bind_device) must be the same on every "
-        "rank, got "
-        f"{listing}; pass the same values everywhere"
-    )
 
 
 def initialize_domain_parallel(world_size, domain_parallel_size, shard_dim=-2, *, abort_on_error=None, **options):
