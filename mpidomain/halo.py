@@ -25,8 +25,8 @@ CREDIT returns ``x`` unpadded when the domain group has one rank; mpidomain
 pads whatever D is, so the code after the exchange never branches on D.
 """
 
+import hashlib
 import numbers
-import sys
 import weakref
 from collections import OrderedDict
 
@@ -34,12 +34,12 @@ import numpy as np
 
 from . import devices
 from ._mpi import is_active, mpi, raise_on_all_ranks
-from .manager import get_domain_parallel_manager
+from .manager import allocate_tags, get_domain_parallel_manager, library_comm
 
 __all__ = ["HaloPlan", "halo_exchange"]
 
-_TO_NEXT = 1  # tag of rows travelling to the next rank (they fill its leading ghost rows)
-_TO_PREV = 2  # tag of rows travelling to the previous rank (they fill its trailing ghost rows)
+# Each plan gets two tags of its manager (allocate_tags): the first for rows travelling to the
+# next rank (they fill its leading ghost rows), the second for rows travelling to the previous one.
 _CACHE_SIZE = 16
 # Host halos at least this large arrive straight in the padded array through a subarray datatype;
 # smaller ones in a contiguous buffer, then one copy. With MPICH on shared memory the datatype
@@ -48,7 +48,7 @@ _IN_PLACE_RECEIVE_BYTES = 256 * 1024
 _TRANSPORT_OVERRIDE = None  # tests set "packed" or "staged" to run the device paths on host arrays
 _NUMBER_KINDS = "biufc"  # bool, signed, unsigned, float, complex
 
-_PLANS = OrderedDict()  # halo_exchange's cache, least recently used first
+_CACHES = weakref.WeakKeyDictionary()  # manager -> halo_exchange's plans, least recently used first
 _LIVE = weakref.WeakSet()  # every plan not yet freed, so a closing manager frees its own
 _WATCHED = weakref.WeakSet()  # managers whose close() frees their plans
 
@@ -102,7 +102,7 @@ def _describe(x, halo_width, dim, periodic):
     dim = int(dim) % len(shape)
     return {
         "array": f"{kind} on {'device' if devices.is_device_array(x) else 'host'}",
-        "dtype": str(x.dtype),
+        "dtype": x.dtype,
         "ndim": len(shape),
         "dim": dim,
         "other extents": shape[:dim] + (None,) + shape[dim + 1:],
@@ -116,7 +116,7 @@ def _check_group(comm, mine):
     """Raise on every rank unless the domain group's inputs fit together; collective over ``comm``."""
     everyone = comm.allgather(mine)
     problems = []
-    for field in ("array", "dtype", "ndim", "dim", "other extents", "halo_width", "periodic"):
+    for field in [f for f in mine if f != "extent"]:
         values = [e[field] for e in everyone]
         if any(v != values[0] for v in values):
             listing = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
@@ -131,7 +131,7 @@ def _check_group(comm, mine):
                 f"must hold at least {width} rows: use a smaller halo_width or fewer domain ranks"
             )
     if problems:
-        kind = TypeError if problems[0].startswith(("array", "dtype")) else ValueError
+        kind = TypeError if problems[0].startswith(("array", "dtype", "call")) else ValueError
         raise kind("halo exchange inputs disagree across the domain group:\n  " + "\n  ".join(problems))
 
 
@@ -182,7 +182,7 @@ class HaloPlan:
 
     def __init__(self, x, halo_width, dim=None, *, periodic=False, manager=None):
         manager = _resolve_manager(manager)
-        comm = manager.domain_comm
+        comm = library_comm(manager)
         if dim is None:
             dim = manager.shard_dim
         mine, error = None, None
@@ -208,9 +208,15 @@ class HaloPlan:
         self._like = devices.empty((0,), like=x)  # allocates padded arrays and buffers of x's kind
 
         size, rank = comm.Get_size(), comm.Get_rank()
+        # Along a dimension the group does not shard, every rank holds all of it: pad locally.
+        self.sharded = _is_sharded(manager, self.dim, len(self.shape))
+        if not self.sharded:
+            size, rank = 1, 0
         prev_rank = rank - 1 if rank > 0 else (size - 1 if self.periodic else None)
         next_rank = rank + 1 if rank < size - 1 else (0 if self.periodic else None)
         self.neighbors = (prev_rank, next_rank)  # ranks of manager.domain_comm
+        to_next = allocate_tags(manager, 2)
+        to_prev = to_next + 1
 
         top, first, last, bottom = self._rows(0, h), self._rows(h, 2 * h), self._rows(n, n + h), self._rows(n + h, n + 2 * h)
         self._interior = self._rows(h, n + h)
@@ -222,18 +228,17 @@ class HaloPlan:
                 if prev_rank is None:
                     self._zeros.append(top)
                 else:
-                    self._sends.append((prev_rank, _TO_PREV, first))
-                    self._recvs.append((prev_rank, _TO_NEXT, top))
+                    self._sends.append((prev_rank, to_prev, first))
+                    self._recvs.append((prev_rank, to_next, top))
                 if next_rank is None:
                     self._zeros.append(bottom)
                 else:
-                    self._sends.append((next_rank, _TO_NEXT, last))
-                    self._recvs.append((next_rank, _TO_PREV, bottom))
+                    self._sends.append((next_rank, to_next, last))
+                    self._recvs.append((next_rank, to_prev, bottom))
 
         MPI = mpi()
-        self._comm = comm.Dup()  # halo traffic never meets any other message
+        self._comm = comm  # the manager's private duplicate: no user message can match a halo
         self._in_flight = None
-        self._spare = None  # the last padded host array pad() returned, reused once the program drops it
         self._freed = False
         self._send_rows = [rows for _, _, rows in self._sends]
         self._recv_rows = [rows for _, _, rows in self._recvs]
@@ -441,7 +446,7 @@ class HaloPlan:
         """:meth:`pad` on the host, in NumPy operations only (the hot path)."""
         source = x if self.kind == "numpy" else devices.mpi_buffer(x)
         if out is None:
-            padded = self._reusable_padded()
+            padded = np.empty(self.padded_shape, self._numpy_dtype)
             out = padded if self.kind == "numpy" else devices.from_numpy(padded, like=self._like)
         else:
             padded = devices.mpi_buffer(out)
@@ -468,17 +473,6 @@ class HaloPlan:
             padded[rows] = 0
         for rows, ghost in self._copies:
             padded[ghost] = padded[rows]
-
-    def _reusable_padded(self):
-        """Return a padded NumPy array for :meth:`pad`: last call's if the program dropped it.
-
-        Reusing it spares the page faults of a fresh allocation (most of the cost of
-        padding a large shard); only the plan holding it is proof that nobody else does.
-        """
-        spare = self._spare
-        if spare is None or sys.getrefcount(spare) > 3:  # held by self._spare, `spare` and the call only
-            spare = self._spare = np.empty(self.padded_shape, self._numpy_dtype)
-        return spare
 
     # -- the adjoint (backward) ---------------------------------------------------
     def adjoint(self, grad):
@@ -520,24 +514,32 @@ class HaloPlan:
 
     # -- lifetime -------------------------------------------------------------
     def live_handles(self):
-        """Return how many MPI requests, datatypes and communicators the plan holds (0s once freed)."""
+        """Return how many MPI requests and datatypes the plan holds (0s once freed).
+
+        A plan owns no communicator: it uses its manager's private one.
+        """
         MPI = mpi()
+        if self._freed:
+            return {"requests": 0, "datatypes": 0}
         return {
             "requests": sum(r != MPI.REQUEST_NULL for r in self._requests),
             "datatypes": sum(t != MPI.DATATYPE_NULL for t in self._recv_types),
-            "communicators": int(self._comm != MPI.COMM_NULL),
         }
 
     def free(self):
-        """Release the plan's MPI requests, communicator and buffers; idempotent.
+        """Release the plan's MPI requests, datatypes and buffers; idempotent and local.
 
-        Collective over the domain group (it frees a communicator). Finishes
-        an exchange still in flight first.
+        Finishes an exchange still in flight first (which needs the other
+        ranks to take part in it). A plan the program drops unfreed is
+        released the same way when it is garbage-collected.
         """
         if self._freed:
             return
         if self._in_flight is not None and is_active():
             self.wait()
+        self._release()
+
+    def _release(self):
         self._freed = True
         _LIVE.discard(self)
         if is_active():
@@ -546,8 +548,14 @@ class HaloPlan:
                     request.Free()
             for datatype in self._recv_types:
                 datatype.Free()
-            self._comm.Free()
-        self._send_buffers = self._recv_buffers = self._like = self._spare = None
+        self._requests, self._recv_types = [], []
+        self._send_buffers = self._recv_buffers = self._like = None
+
+    def __del__(self):
+        # Local handles only, so safe at any time; a plan dropped mid-exchange keeps its
+        # requests (freeing an active request would let MPI write into freed memory).
+        if not getattr(self, "_freed", True) and getattr(self, "_in_flight", None) is None:
+            self._release()
 
     @property
     def freed(self):
@@ -566,36 +574,71 @@ class HaloPlan:
                 f"dim={self.dim}, periodic={self.periodic}, {state})")
 
 
+def _is_sharded(manager, dim, ndim):
+    """True if normalised ``dim`` of an ``ndim``-d array is the one ``manager`` shards."""
+    shard_dim = manager.shard_dim
+    return -ndim <= shard_dim < ndim and dim == shard_dim % ndim
+
+
 def _release_plans_of(manager):
     """Free every plan of ``manager`` (its close() calls this)."""
-    for key in [k for k, plan in _PLANS.items() if plan.manager is manager]:
-        del _PLANS[key]
+    _CACHES.pop(manager, None)
     for plan in [p for p in _LIVE if p.manager is manager]:
         plan.free()
 
 
-def cached_plan(x, halo_width, dim=None, *, periodic=False, manager=None):
+def _agree(comm, signature, miss):
+    """Return (every rank passed an equal ``signature``, some rank missed its cache); collective.
+
+    One Allreduce of three integers: a digest of ``repr(signature)`` as max and
+    negated min, and the miss flag as max. Every rank gets the same answer.
+    """
+    digest = hashlib.blake2b(repr(signature).encode(), digest_size=8).digest()
+    code = int.from_bytes(digest, "little") >> 2
+    values = np.array([code, -code, int(miss)], dtype=np.int64)
+    comm.Allreduce(mpi().IN_PLACE, values, op=mpi().MAX)
+    return int(values[0]) == -int(values[1]), bool(values[2])
+
+
+def cached_plan(x, halo_width, dim=None, *, periodic=False, manager=None, call="pad"):
     """Return the cached :class:`HaloPlan` for ``x``'s shard, building it on a miss.
 
-    Collective over the domain group on a miss (all ranks miss together when
-    they call with the same sequence of arguments). Keeps the last 16 plans;
-    an evicted plan is freed.
+    Collective over the domain group, on every call: one small agreement step
+    checks that every rank passed the same arguments (all but the extent along
+    ``dim``) for the same ``call`` (``"pad"``, ``"pad+grad"``, ``"adjoint"``)
+    and settles hit or miss for all ranks at once: if any rank misses, all
+    build a new plan together. A disagreement raises on every rank, listing
+    what each rank had. Each manager keeps its own last 16 plans.
     """
     manager = _resolve_manager(manager)
+    comm = library_comm(manager)
+    mine, error, key = None, None, None
     try:
+        mine = _describe(x, halo_width, manager.shard_dim if dim is None else dim, periodic)
         kind = devices.array_kind(x)
-        device = x.device if kind == "torch" else x.device.id if kind == "cupy" else None
-        key = (manager, kind, x.dtype, device, tuple(x.shape), halo_width, dim, periodic, _TRANSPORT_OVERRIDE)
-        plan = _PLANS.get(key)
-    except TypeError:  # not an array, or an unhashable argument: the plan build reports it on every rank
-        key = plan = None
-    if plan is not None:
-        _PLANS.move_to_end(key)
+        device = str(x.device) if kind == "torch" else x.device.id if kind == "cupy" else None
+        key = (tuple(mine.values()), device)  # this rank's plan; the call kind does not change it
+        mine["call"] = call
+    except (TypeError, ValueError) as exc:
+        error = exc
+    cache = _CACHES.setdefault(manager, OrderedDict())
+    plan = cache.get(key)
+    signature = ("error",) if mine is None else tuple(v for f, v in mine.items() if f != "extent")
+    same, miss = _agree(comm, signature, plan is None)
+    if not same or error is not None:
+        raise_on_all_ranks(comm, error)
+        _check_group(comm, mine)
+    if not miss:
+        cache.move_to_end(key)
         return plan
+    del mine["call"]
     plan = HaloPlan(x, halo_width, dim, periodic=periodic, manager=manager)
-    _PLANS[key] = plan
-    while len(_PLANS) > _CACHE_SIZE:
-        _PLANS.popitem(last=False)[1].free()
+    old = cache.pop(key, None)
+    if old is not None:
+        old.free()
+    cache[key] = plan
+    while len(cache) > _CACHE_SIZE:
+        cache.popitem(last=False)[1].free()
     return plan
 
 
@@ -618,4 +661,8 @@ def halo_exchange(x, halo_width, dim=None, *, periodic=False, manager=None):
     :param periodic: Wrap around the ends of the domain group.
     :param manager: Default: the global manager from ``initialize_domain_parallel``.
     """
+    if getattr(x, "requires_grad", False) is True:  # a Torch tensor in an autograd graph
+        from .nn.halo import HaloExchange
+
+        return HaloExchange(halo_width, dim, periodic, manager=manager)(x)
     return cached_plan(x, halo_width, dim, periodic=periodic, manager=manager).pad(x)

@@ -12,6 +12,7 @@ domain-parallel size. With 8 ranks and ``domain_parallel_size=2``::
 
 import logging
 import numbers
+import warnings
 
 from . import abort, binding
 from . import torch_bridge as bridge
@@ -114,6 +115,10 @@ class DomainParallelManager:
         self._node_comm = self._comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
         self._domain_comm.Set_name(f"mpidomain.domain[{self._domain_group_idx}]")
         self._dp_comm.Set_name(f"mpidomain.data_parallel[{self._domain_rank}]")
+        # The library's own traffic (halos, shard/gather, agreement steps) travels on duplicates
+        # the user never holds, so no user receive (ANY_TAG included) can match it.
+        self._private = {"domain": self._domain_comm.Dup(), "data": self._dp_comm.Dup()}
+        self._next_tag = 16  # tags handed out collectively by allocate_tags()
         node_roots = self._comm.allgather(self._node_comm.allreduce(rank, op=MPI.MIN))
         distinct_roots = sorted(set(node_roots))
         self._node_index = distinct_roots.index(node_roots[rank])
@@ -278,6 +283,8 @@ class DomainParallelManager:
             bridge.release_default_group(self._torch_default_group)
             self._torch_default_group = None
         if is_active():
+            for private in self._private.values():
+                private.Free()
             for name in ("_domain_comm", "_dp_comm", "_node_comm", "_comm"):
                 getattr(self, name).Free()
         self._domain_group = None
@@ -289,12 +296,42 @@ class DomainParallelManager:
     def __exit__(self, *exc):
         self.close()
 
+    def __del__(self):
+        if not getattr(self, "_closed", True) and is_active():
+            warnings.warn(f"unclosed {self!r}: call close() (collective) or use a with block",
+                          ResourceWarning, stacklevel=2)
+
     def __repr__(self):
         state = "closed" if self._closed else f"rank={self._rank}"
         return (
             f"DomainParallelManager(world_size={self.world_size}, "
             f"domain_parallel_size={self.domain_parallel_size}, shard_dim={self.shard_dim}, {state})"
         )
+
+
+def library_comm(manager, group="domain"):
+    """Return the private duplicate of ``manager``'s ``"domain"`` or ``"data"`` communicator.
+
+    The library's own messages travel only on these; users hold
+    ``domain_comm``/``data_parallel_comm`` and never see them.
+    """
+    if manager.closed:
+        raise RuntimeError(f"{manager!r} is closed; initialise a new manager")
+    return manager._private[group]
+
+
+def allocate_tags(manager, count):
+    """Return the first of ``count`` consecutive tags no other live plan of ``manager`` uses.
+
+    Collective in effect: every rank of the group must call it in the same
+    order (plan construction, itself agreed, is the only caller), so each
+    rank gets the same tags. Tags cycle below MPI's guaranteed bound of 32767.
+    """
+    first = manager._next_tag
+    if first + count > 32767:
+        first = 16
+    manager._next_tag = first + count
+    return first
 
 
 def _plain(policy):

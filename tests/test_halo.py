@@ -202,14 +202,14 @@ def test_cache_is_bounded_and_frees_evicted_plans(world):
     with DomainParallelManager(world.size, world.size) as manager:
         x = np.zeros((2, 4, 3), np.float32)
         halo_exchange(x, 1, 1, manager=manager)
-        first = next(p for p in halo._PLANS.values() if p.manager is manager)
-        halo_exchange(x, 1, 1, manager=manager)
-        assert [p for p in halo._PLANS.values() if p.manager is manager] == [first]  # a hit, not a new plan
+        first, = halo._CACHES[manager].values()
+        halo_exchange(x, 1, -2, manager=manager)  # the same axis spelled differently: a hit
+        assert list(halo._CACHES[manager].values()) == [first]  # a hit, not a new plan
         for width in range(2, 2 + halo._CACHE_SIZE):
             halo_exchange(np.zeros((2, 20, 3), np.float32), width, 1, manager=manager)
-        assert len(halo._PLANS) <= halo._CACHE_SIZE
-        assert first.freed and first.live_handles() == {"requests": 0, "datatypes": 0, "communicators": 0}
-    assert not [p for p in halo._PLANS.values() if p.manager is manager]
+        assert len(halo._CACHES[manager]) == halo._CACHE_SIZE
+        assert first.freed and first.live_handles() == {"requests": 0, "datatypes": 0}
+    assert manager not in halo._CACHES
 
 
 def test_manager_close_frees_plans(world):
@@ -220,7 +220,7 @@ def test_manager_close_frees_plans(world):
     own.exchange(own.pad(x))
     manager.close()
     for plan in (cached, own):
-        assert plan.freed and plan.live_handles() == {"requests": 0, "datatypes": 0, "communicators": 0}
+        assert plan.freed and plan.live_handles() == {"requests": 0, "datatypes": 0}
     with pytest.raises(RuntimeError, match="was freed"):
         own.exchange(np.zeros(own.padded_shape))
     with pytest.raises(RuntimeError, match="is closed"):
@@ -239,11 +239,11 @@ def test_ten_thousand_exchanges_leak_nothing(world, monkeypatch):
         x = np.arange(2 * 4 * 8, dtype=np.float32).reshape(2, 4, 8)
         plan = HaloPlan(x, 1, 1, periodic=True, manager=manager)
         padded = plan.pad(x)
+        tracemalloc.start()  # before the warm-up: NumPy fills a cache once while traced
         for _ in range(200):  # warm up allocators and caches
             plan.exchange(padded)
             halo_exchange(x, 1, 1, periodic=True, manager=manager)
         gc.collect()
-        tracemalloc.start()
         before, rss_before = tracemalloc.get_traced_memory()[0], _rss_bytes()
         for _ in range(6000):
             plan.exchange(padded)
@@ -252,22 +252,23 @@ def test_ten_thousand_exchanges_leak_nothing(world, monkeypatch):
         gc.collect()
         after, rss_after = tracemalloc.get_traced_memory()[0], _rss_bytes()
         tracemalloc.stop()
-        assert after - before < 16 * 1024, f"Python allocations grew by {after - before} bytes"
+        # Under 5 bytes per call: any object leaked per call (>= 16 bytes) would show; the
+        # per-call agreement step leaves a few KiB of allocator noise that does not grow.
+        assert after - before < 48 * 1024, f"Python allocations grew by {after - before} bytes"
         assert rss_after - rss_before < 4 * 1024 * 1024, f"RSS grew by {rss_after - rss_before} bytes"
         expected = reference(x, 1, 1, True, 0, 4) if world.size == 1 else None
         if expected is not None:
             assert np.array_equal(padded, expected)
-        cached = [p for p in halo._PLANS.values() if p.manager is manager]
-        handles = [*plan._requests, *plan._recv_types, plan._comm]
+        cached = list(halo._CACHES[manager].values())
+        handles = [*plan._requests, *plan._recv_types]
         for p in cached:
-            handles += [*p._requests, *p._recv_types, p._comm]
+            handles += [*p._requests, *p._recv_types]
         live = plan.live_handles()
-        assert live == {"requests": 0 if world.size == 1 else 4, "datatypes": 0 if world.size == 1 else 2,
-                        "communicators": 1}, live
+        assert live == {"requests": 0 if world.size == 1 else 4, "datatypes": 0 if world.size == 1 else 2}, live
         plan.free()
     for p in [plan, *cached]:
-        assert p.live_handles() == {"requests": 0, "datatypes": 0, "communicators": 0}
-    null = (MPI.REQUEST_NULL, MPI.DATATYPE_NULL, MPI.COMM_NULL)
+        assert p.live_handles() == {"requests": 0, "datatypes": 0}
+    null = (MPI.REQUEST_NULL, MPI.DATATYPE_NULL)
     assert all(any(handle == n for n in null) for handle in handles)
 
 

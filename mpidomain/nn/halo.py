@@ -23,8 +23,8 @@ class _HaloExchangeFunction(torch.autograd.Function):
     """Pad with the neighbours' rows; backward sends ghost-row gradients back to their owners."""
 
     @staticmethod
-    def forward(ctx, x, halo_width, dim, periodic, manager):
-        plan = cached_plan(x, halo_width, dim, periodic=periodic, manager=manager)
+    def forward(ctx, x, halo_width, dim, periodic, manager, call):
+        plan = cached_plan(x, halo_width, dim, periodic=periodic, manager=manager, call=call)
         ctx.plan_arguments = (halo_width, dim, periodic, plan.manager, plan.dim)
         return plan.pad(x)
 
@@ -35,8 +35,8 @@ class _HaloExchangeFunction(torch.autograd.Function):
         # The plan is found again (it may have left halo_exchange's cache since the forward)
         # from a view with the unpadded shard's shape, dtype and device.
         like = grad.narrow(axis, halo_width, grad.shape[axis] - 2 * halo_width)
-        plan = cached_plan(like, halo_width, dim, periodic=periodic, manager=manager)
-        return plan.adjoint(grad), None, None, None, None
+        plan = cached_plan(like, halo_width, dim, periodic=periodic, manager=manager, call="adjoint")
+        return plan.adjoint(grad), None, None, None, None, None
 
 
 class HaloExchange(torch.nn.Module):
@@ -63,7 +63,9 @@ class HaloExchange(torch.nn.Module):
 
     def forward(self, x):
         """Return ``x`` padded with its neighbours' rows (see the class docstring)."""
-        return _HaloExchangeFunction.apply(x, self.halo_width, self.dim, self.periodic, self.manager)
+        # Every rank must agree whether a backward will follow: the agreement step checks it.
+        call = "pad+grad" if torch.is_grad_enabled() and getattr(x, "requires_grad", False) else "pad"
+        return _HaloExchangeFunction.apply(x, self.halo_width, self.dim, self.periodic, self.manager, call)
 
     @staticmethod
     def trim(x, halo_before, halo_after, dim=-2):
