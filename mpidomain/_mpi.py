@@ -83,16 +83,24 @@ def check_same(comm, value, what, fix=""):
 def agrees(comm, value):
     """Return True on every rank if all ranks of ``comm`` passed an equal ``value``, else False on every rank.
 
-    Collective: call on all ranks of ``comm``. Costs one Allreduce of two
+    Collective: call on all ranks of ``comm``. Costs one Allreduce of a few
     integers (a digest of ``repr(value)``), so hot paths can check their
     arguments on every call; build the error message after a False, e.g. with
     ``comm.allgather``.
     """
+    return agrees_and_any(comm, value, False)[0]
+
+
+def agrees_and_any(comm, value, flag):
+    """Return (:func:`agrees` of ``value``, ``flag`` set on any rank), both the same on every rank.
+
+    Collective: one Allreduce of three integers.
+    """
     digest = hashlib.blake2b(repr(value).encode(), digest_size=8).digest()
     code = int.from_bytes(digest, "little") >> 2
-    extremes = np.array([code, -code], dtype=np.int64)
-    comm.Allreduce(mpi().IN_PLACE, extremes, op=mpi().MAX)
-    return int(extremes[0]) == -int(extremes[1])
+    values = np.array([code, -code, int(bool(flag))], dtype=np.int64)
+    comm.Allreduce(mpi().IN_PLACE, values, op=mpi().MAX)
+    return int(values[0]) == -int(values[1]), bool(values[2])
 
 
 def wait_politely(request, interval=0.001):

@@ -25,7 +25,6 @@ CREDIT returns ``x`` unpadded when the domain group has one rank; mpidomain
 pads whatever D is, so the code after the exchange never branches on D.
 """
 
-import hashlib
 import numbers
 import weakref
 from collections import OrderedDict
@@ -33,7 +32,7 @@ from collections import OrderedDict
 import numpy as np
 
 from . import devices
-from ._mpi import is_active, mpi, raise_on_all_ranks
+from ._mpi import agrees_and_any, is_active, mpi, raise_on_all_ranks
 from .manager import allocate_tags, get_domain_parallel_manager, library_comm
 
 __all__ = ["HaloPlan", "halo_exchange"]
@@ -587,19 +586,6 @@ def _release_plans_of(manager):
         plan.free()
 
 
-def _agree(comm, signature, miss):
-    """Return (every rank passed an equal ``signature``, some rank missed its cache); collective.
-
-    One Allreduce of three integers: a digest of ``repr(signature)`` as max and
-    negated min, and the miss flag as max. Every rank gets the same answer.
-    """
-    digest = hashlib.blake2b(repr(signature).encode(), digest_size=8).digest()
-    code = int.from_bytes(digest, "little") >> 2
-    values = np.array([code, -code, int(miss)], dtype=np.int64)
-    comm.Allreduce(mpi().IN_PLACE, values, op=mpi().MAX)
-    return int(values[0]) == -int(values[1]), bool(values[2])
-
-
 def cached_plan(x, halo_width, dim=None, *, periodic=False, manager=None, call="pad"):
     """Return the cached :class:`HaloPlan` for ``x``'s shard, building it on a miss.
 
@@ -624,7 +610,7 @@ def cached_plan(x, halo_width, dim=None, *, periodic=False, manager=None, call="
     cache = _CACHES.setdefault(manager, OrderedDict())
     plan = cache.get(key)
     signature = ("error",) if mine is None else tuple(v for f, v in mine.items() if f != "extent")
-    same, miss = _agree(comm, signature, plan is None)
+    same, miss = agrees_and_any(comm, signature, plan is None)
     if not same or error is not None:
         raise_on_all_ranks(comm, error)
         _check_group(comm, mine)
