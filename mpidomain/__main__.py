@@ -11,7 +11,7 @@ import warnings
 
 from . import binding, check, info
 from ._mpi import _ranges, mpi
-from .manager import initialize_domain_parallel
+from .manager import initialize_domain_parallel, library_comm
 
 
 def _common(parser):
@@ -91,7 +91,7 @@ def _check(args):
             f"--shape {','.join(map(str, shape))}: {shape[-2]} rows over D={d} ranks leaves some with "
             f"{shape[-2] // d}, fewer than --halo-width {args.halo_width}; use at least {d * args.halo_width} rows"
         )
-    has_gpu = manager._comm.allgather(manager.device_binding is not None and manager.device_binding.device is not None)
+    has_gpu = library_comm(manager, "world").allgather(manager.device_binding is not None and manager.device_binding.device is not None)
     device = args.device
     if device == "auto":
         device = "cuda" if all(has_gpu) else "cpu"

@@ -80,27 +80,53 @@ def check_same(comm, value, what, fix=""):
     raise ValueError(f"{what} must be the same on every rank, got {listing}. {fix}".rstrip())
 
 
-def agrees(comm, value):
-    """Return True on every rank if all ranks of ``comm`` passed an equal ``value``, else False on every rank.
-
-    Collective: call on all ranks of ``comm``. Costs one Allreduce of a few
-    integers (a digest of ``repr(value)``), so hot paths can check their
-    arguments on every call; build the error message after a False, e.g. with
-    ``comm.allgather``.
-    """
-    return agrees_and_any(comm, value, False)[0]
-
-
 def agrees_and_any(comm, value, flag):
-    """Return (:func:`agrees` of ``value``, ``flag`` set on any rank), both the same on every rank.
+    """Return (all ranks of ``comm`` passed an equal ``value``, ``flag`` set on any rank), alike on every rank.
 
-    Collective: one Allreduce of three integers.
+    Collective: one Allreduce of three integers (a digest of ``repr(value)``
+    and the flag), cheap enough for every call of a hot path.
     """
     digest = hashlib.blake2b(repr(value).encode(), digest_size=8).digest()
     code = int.from_bytes(digest, "little") >> 2
     values = np.array([code, -code, int(bool(flag))], dtype=np.int64)
     comm.Allreduce(mpi().IN_PLACE, values, op=mpi().MAX)
     return int(values[0]) == -int(values[1]), bool(values[2])
+
+
+def agree(comm, call, description, flag=False, error=None, mismatch=None):
+    """Settle one collective call on every rank of ``comm``: return ``flag`` set on any rank, or raise on all.
+
+    Collective: every entry point that communicates starts with it, so a
+    rank that skipped or reordered a call meets the others here. Costs one
+    Allreduce of three integers when the ranks agree. ``call`` names the
+    entry point, ``description`` what this rank passed (picklable, compared
+    with ==), ``error`` this rank's local problem or None. Otherwise every
+    rank raises: RuntimeError if the ranks are in different calls; the local
+    errors as :func:`raise_on_all_ranks` does; else ``mismatch(descriptions)``
+    (one per rank) returns the exception, default a ValueError listing them.
+    """
+    local = None if error is None else f"{type(error).__name__}: {error}"
+    same, any_flag = agrees_and_any(comm, (call, description, local), flag)
+    if same:
+        if error is not None:
+            raise error
+        return any_flag
+    everyone = comm.allgather((call, description, error is not None))
+    calls = [c for c, _, _ in everyone]
+    if len(set(calls)) > 1:
+        listing = ", ".join(f"rank {r}: {c}" for r, c in enumerate(calls))
+        raise RuntimeError(
+            f"the ranks of one group are in different mpidomain calls ({listing}); every rank must make the same "
+            "collective calls in the same order: look for a call only some ranks make (under an if on the rank, "
+            "or skipped by an exception)"
+        )
+    if any(failed for _, _, failed in everyone):
+        raise_on_all_ranks(comm, error)
+    descriptions = [d for _, d, _ in everyone]
+    if mismatch is not None:
+        raise mismatch(descriptions)
+    listing = ", ".join(f"rank {r}: {d!r}" for r, d in enumerate(descriptions))
+    raise ValueError(f"{call} needs the same arguments on every rank, got {listing}")
 
 
 def wait_politely(request, interval=0.001):

@@ -17,6 +17,7 @@ from . import devices, info
 from ._mpi import _ranges, mpi
 from .halo import halo_exchange
 from .sharding import balanced_split, gather_tensor, shard_tensor
+from .manager import library_comm
 
 __all__ = ["run_check"]
 
@@ -28,7 +29,7 @@ class _Report:
 
     def __init__(self, manager):
         self.manager = manager
-        self.comm = manager._comm
+        self.comm = library_comm(manager, "world")
         self.failures = []  # (step, message, ranks)
         self.notes = []
 
@@ -146,7 +147,7 @@ def _measure_links(manager, message_shape, device, repeats, staged):
     Link k joins domain ranks k and k+1; even links run together, then odd ones, so
     no rank is in two measurements at once. GB/s counts both directions' bytes.
     """
-    comm = manager.domain_comm
+    comm = library_comm(manager)
     rank, size = comm.Get_rank(), comm.Get_size()
     first = manager.rank - manager.domain_rank
     send = _on_device(np.ones(message_shape, dtype=np.float32), device)
@@ -194,10 +195,10 @@ def run_check(manager, device, shape, width, repeats):
     kib = math.prod(message_shape) * 4 / 1024
     report.say(f"[4/{STEPS}] halo bandwidth per neighbour pair ({kib:.1f} KiB messages, {repeats} round trips"
                f"{', staged through host' if staged else ''})")
-    links = [link for part in manager._comm.allgather(
+    links = [link for part in library_comm(manager, "world").allgather(
         _measure_links(manager, message_shape, device, repeats, staged) if manager.domain_parallel_size > 1 else [])
         for link in part]
-    hosts = manager._comm.allgather(socket.gethostname())
+    hosts = library_comm(manager, "world").allgather(socket.gethostname())
     slowest = None
     if not links:
         report.say("  no neighbour pairs (D=1): nothing to measure")
@@ -212,15 +213,15 @@ def run_check(manager, device, shape, width, repeats):
                    f"{bw / fastest:.2f} of the fastest, {bw / median:.2f} of the median")
 
     report.say(f"[5/{STEPS}] CUDA-aware decision and devices")
-    decisions = manager._comm.allgather(str(decision))
+    decisions = library_comm(manager, "world").allgather(str(decision))
     if len(set(decisions)) == 1:
         report.say(f"  device buffers: {decisions[0]}")
     else:
         report.agree("CUDA-aware decision", f"ranks decide differently; this one: {decision}")
-    bound = manager._comm.allgather(binding.describe() if binding is not None else "not bound (bind_device='none')")
+    bound = library_comm(manager, "world").allgather(binding.describe() if binding is not None else "not bound (bind_device='none')")
     for rank, text in enumerate(bound):
         report.say(f"  rank {rank} ({hosts[rank]}): {text}")
-    shared = sorted({r for r, b in enumerate(manager._comm.allgather(binding.shared_with if binding else ())) if b})
+    shared = sorted({r for r, b in enumerate(library_comm(manager, "world").allgather(binding.shared_with if binding else ())) if b})
     if shared:
         report.notes.append(f"ranks {_ranges(shared)} share a GPU")
 

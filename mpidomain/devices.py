@@ -101,13 +101,14 @@ def mpi_buffer(x):
 
     Host arrays become NumPy views; device arrays are passed as they are, for
     a CUDA-aware MPI. ``x`` must be contiguous unless a derived datatype
-    describes its layout.
+    describes its layout. A Torch tensor that is a lazy conjugate or
+    negative view gives a resolved copy instead, fit for reading only.
     """
     kind = array_kind(x)
     if kind == "numpy":
         return x
     if kind == "torch":
-        x = x.detach()
+        x = x.detach().resolve_conj().resolve_neg()  # a copy for lazy conjugate/negative views: read only
         if x.device.type == "cpu":
             if x.dtype == sys.modules["torch"].bfloat16:
                 return x.view(sys.modules["torch"].int16).numpy().view(np.uint16)
@@ -210,7 +211,8 @@ class ArraySpec:
     """What an array is, in picklable form, so another rank can allocate its like.
 
     ``kind`` is ``"numpy"``, ``"torch"`` or ``"cupy"``; ``dtype`` the element
-    type's name (``"float32"``, ``"bfloat16"``); ``device`` ``"cpu"`` or ``"cuda"``.
+    type's name (``"float32"``, ``"bfloat16"``; ``">f4"`` for a non-native
+    byte order); ``device`` ``"cpu"`` or ``"cuda"``.
     """
 
     kind: str
@@ -224,7 +226,9 @@ def array_spec(x):
     if kind == "torch":
         numpy_dtype(x)  # rejects dtypes MPI cannot move
         return ArraySpec(kind, str(x.dtype).replace("torch.", ""), x.device.type)
-    return ArraySpec(kind, np.dtype(x.dtype).name, "cuda" if kind == "cupy" else "cpu")
+    dtype = np.dtype(x.dtype)
+    # A non-native byte order keeps its spelling ('>f4'): the bytes on the wire are not native floats.
+    return ArraySpec(kind, dtype.name if dtype.isnative else dtype.str, "cuda" if kind == "cupy" else "cpu")
 
 
 def empty(shape, like):
@@ -258,15 +262,17 @@ def empty(shape, like):
 
 
 def contiguous(x):
-    """Return ``x`` if it is C-contiguous, else a C-contiguous copy of the same kind and device."""
+    """Return ``x`` if MPI can read its memory as C-ordered native values, else such a copy.
+
+    The copy has the same kind, device and shape (0-d stays 0-d); Torch's lazy
+    conjugate and negative views are resolved.
+    """
     kind = array_kind(x)
     if kind == "torch":
-        return x.contiguous()
-    if kind == "cupy":
-        import cupy
-
-        return cupy.ascontiguousarray(x)
-    return np.ascontiguousarray(x)
+        return x.resolve_conj().resolve_neg().contiguous()
+    if x.flags.c_contiguous:
+        return x
+    return x.copy(order="C")
 
 
 def mpi_datatype(x):

@@ -25,15 +25,15 @@ CREDIT returns ``x`` unpadded when the domain group has one rank; mpidomain
 pads whatever D is, so the code after the exchange never branches on D.
 """
 
-import numbers
 import weakref
 from collections import OrderedDict
 
 import numpy as np
 
 from . import devices
-from ._mpi import agrees_and_any, is_active, mpi, raise_on_all_ranks
-from .manager import allocate_tags, get_domain_parallel_manager, library_comm
+from ._mpi import agree, is_active, mpi
+from ._validate import normalize_dim, require_int, require_manager
+from .manager import allocate_tags, library_comm
 
 __all__ = ["HaloPlan", "halo_exchange"]
 
@@ -52,53 +52,22 @@ _LIVE = weakref.WeakSet()  # every plan not yet freed, so a closing manager free
 _WATCHED = weakref.WeakSet()  # managers whose close() frees their plans
 
 
-def _is_int(value):
-    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
-
-
-def _resolve_manager(manager):
-    if manager is None:
-        manager = get_domain_parallel_manager()
-        if manager is None:
-            raise RuntimeError(
-                "halo exchange needs the domain-parallel manager, and none exists: call "
-                "mpidomain.initialize_domain_parallel(world_size, domain_parallel_size) first, "
-                "or pass manager="
-            )
-    if manager.closed:
-        raise RuntimeError(f"{manager!r} is closed; initialise a new manager before exchanging halos")
-    return manager
-
-
 def _describe(x, halo_width, dim, periodic):
     """Return what this rank's input looks like; raise TypeError/ValueError for a local mistake."""
     kind = devices.array_kind(x)
-    if not _is_int(halo_width):
-        raise TypeError(
-            f"halo_width must be an int, got {halo_width!r} ({type(halo_width).__name__}); "
-            "pass the number of ghost rows on each side, e.g. 1"
-        )
-    if halo_width < 0:
-        raise ValueError(f"halo_width must be >= 0, got {halo_width}; pass the number of ghost rows on each side")
+    require_int("halo_width", halo_width, least=0, hint="pass the number of ghost rows on each side, e.g. 1")
     if not isinstance(periodic, (bool, np.bool_)):
         raise TypeError(f"periodic must be True or False, got {periodic!r} ({type(periodic).__name__})")
     shape = tuple(int(n) for n in x.shape)
     if not shape:
         raise ValueError("x is a 0-d array; halo exchange needs at least the sharded dimension")
-    if not _is_int(dim):
-        raise TypeError(f"dim must be an int, got {dim!r} ({type(dim).__name__}); e.g. -2 for latitude in (B, C, H, W)")
-    if not -len(shape) <= dim < len(shape):
-        raise ValueError(
-            f"dim={dim} is out of range for a {len(shape)}-d array of shape {shape}; "
-            f"use {-len(shape)} <= dim < {len(shape)}"
-        )
+    dim = normalize_dim(dim, shape)
     dtype = devices.numpy_dtype(x)
     if dtype.kind not in _NUMBER_KINDS:
         raise TypeError(
             f"unsupported dtype {x.dtype} (NumPy kind {dtype.kind!r}); halo exchange moves numbers: "
             "use a bool, integer, float or complex array"
         )
-    dim = int(dim) % len(shape)
     return {
         "array": f"{kind} on {'device' if devices.is_device_array(x) else 'host'}",
         "dtype": x.dtype,
@@ -111,27 +80,38 @@ def _describe(x, halo_width, dim, periodic):
     }
 
 
-def _check_group(comm, mine):
-    """Raise on every rank unless the domain group's inputs fit together; collective over ``comm``."""
-    everyone = comm.allgather(mine)
+def _signature(mine):
+    """What every rank of the group must pass alike: the description less the extent along dim."""
+    return None if mine is None else {f: v for f, v in mine.items() if f != "extent"}
+
+
+def _group_mismatch(everyone):
+    """Return the TypeError/ValueError for the ranks' differing :func:`_signature` dicts."""
     problems = []
-    for field in [f for f in mine if f != "extent"]:
+    for field in everyone[0]:
         values = [e[field] for e in everyone]
         if any(v != values[0] for v in values):
             listing = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
             problems.append(f"{field} must be the same on every rank of the domain group, got {listing}")
-    if not problems:
-        extents = [e["extent"] for e in everyone]
-        width = mine["halo_width"]
-        if min(extents) < width:
-            listing = ", ".join(f"rank {r}: {n}" for r, n in enumerate(extents))
-            problems.append(
-                f"halo_width={width} exceeds the extent along dim on some ranks ({listing}); every rank "
-                f"must hold at least {width} rows: use a smaller halo_width or fewer domain ranks"
-            )
-    if problems:
-        kind = TypeError if problems[0].startswith(("array", "dtype", "call")) else ValueError
-        raise kind("halo exchange inputs disagree across the domain group:\n  " + "\n  ".join(problems))
+    kind = TypeError if problems[0].startswith(("array", "dtype", "call")) else ValueError
+    return kind("halo exchange inputs disagree across the domain group:\n  " + "\n  ".join(problems))
+
+
+def _agree_inputs(comm, call, mine, error, flag=False):
+    """Agree on the ranks' inputs (one Allreduce) for ``call``; return ``flag`` set on any rank, or raise on all."""
+    return agree(comm, call, _signature(mine), flag, error, _group_mismatch)
+
+
+def _check_extents(comm, mine):
+    """Raise ValueError on every rank unless every rank holds at least ``halo_width`` rows; collective."""
+    extents = comm.allgather(mine["extent"])
+    width = mine["halo_width"]
+    if min(extents) < width:
+        listing = ", ".join(f"rank {r}: {n}" for r, n in enumerate(extents))
+        raise ValueError(
+            f"halo_width={width} exceeds the extent along dim on some ranks ({listing}); every rank "
+            f"must hold at least {width} rows: use a smaller halo_width or fewer domain ranks"
+        )
 
 
 def _choose_transport(x):
@@ -180,7 +160,7 @@ class HaloPlan:
     """
 
     def __init__(self, x, halo_width, dim=None, *, periodic=False, manager=None):
-        manager = _resolve_manager(manager)
+        manager = require_manager(manager, "halo exchange")
         comm = library_comm(manager)
         if dim is None:
             dim = manager.shard_dim
@@ -189,8 +169,8 @@ class HaloPlan:
             mine = _describe(x, halo_width, dim, periodic)
         except (TypeError, ValueError) as exc:
             error = exc
-        raise_on_all_ranks(comm, error)
-        _check_group(comm, mine)
+        _agree_inputs(comm, "HaloPlan", mine, error)
+        _check_extents(comm, mine)
 
         self.manager = manager
         self.kind = devices.array_kind(x)
@@ -336,6 +316,9 @@ class HaloPlan:
             )
         if kind != "numpy" and devices.is_device_array(array) != self._device:
             raise ValueError(f"{what} is on another device than the plan's; build a plan for it")
+        if what != "x" and kind == "torch" and (array.is_conj() or array.is_neg()):
+            raise ValueError(f"{what} is a lazily conjugated or negated view, which cannot be written in place; "
+                             "pass a plain tensor (e.g. plan.empty())")
 
     def _working(self, array):
         """The array the transfers touch: a NumPy view of host memory, the device array itself."""
@@ -596,7 +579,7 @@ def cached_plan(x, halo_width, dim=None, *, periodic=False, manager=None, call="
     build a new plan together. A disagreement raises on every rank, listing
     what each rank had. Each manager keeps its own last 16 plans.
     """
-    manager = _resolve_manager(manager)
+    manager = require_manager(manager, "halo exchange")
     comm = library_comm(manager)
     mine, error, key = None, None, None
     try:
@@ -609,11 +592,7 @@ def cached_plan(x, halo_width, dim=None, *, periodic=False, manager=None, call="
         error = exc
     cache = _CACHES.setdefault(manager, OrderedDict())
     plan = cache.get(key)
-    signature = ("error",) if mine is None else tuple(v for f, v in mine.items() if f != "extent")
-    same, miss = agrees_and_any(comm, signature, plan is None)
-    if not same or error is not None:
-        raise_on_all_ranks(comm, error)
-        _check_group(comm, mine)
+    miss = _agree_inputs(comm, "halo_exchange", mine, error, flag=plan is None)
     if not miss:
         cache.move_to_end(key)
         return plan

@@ -5,6 +5,7 @@ import socket
 
 from ._mpi import mpi
 from .devices import cuda_aware_decision
+from .manager import library_comm
 
 __all__ = ["cuda_visible", "gather_layout", "format_layout"]
 
@@ -62,7 +63,7 @@ def gather_layout(manager, root=0, extra=None):
     """
     row = _row(manager)
     row.update(extra or {})
-    return manager._comm.gather(row, root=root)
+    return library_comm(manager, "world").gather(row, root=root)
 
 
 def format_layout(manager, rows, header_extra=()):

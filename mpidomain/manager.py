@@ -11,12 +11,12 @@ domain-parallel size. With 8 ranks and ``domain_parallel_size=2``::
 """
 
 import logging
-import numbers
 import warnings
 
 from . import abort, binding
 from . import torch_bridge as bridge
 from ._mpi import check_same, is_active, mpi, raise_on_all_ranks
+from ._validate import is_int
 from .launcher import check_launcher_world, detect_launcher
 
 __all__ = ["DomainParallelManager", "initialize_domain_parallel", "get_domain_parallel_manager"]
@@ -26,20 +26,16 @@ logger = logging.getLogger(__name__)
 _MANAGER = None
 
 
-def _is_int(value):
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
 def _argument_error(world_size, domain_parallel_size, shard_dim, comm_size):
     """Return the first local problem with the arguments, or None."""
-    if not _is_int(world_size):
+    if not is_int(world_size):
         return TypeError(f"world_size must be an int, got {world_size!r} ({type(world_size).__name__})")
-    if not _is_int(domain_parallel_size):
+    if not is_int(domain_parallel_size):
         return TypeError(
             f"domain_parallel_size must be an int, got {domain_parallel_size!r} "
             f"({type(domain_parallel_size).__name__})"
         )
-    if not _is_int(shard_dim):
+    if not is_int(shard_dim):
         return TypeError(f"shard_dim must be an int, got {shard_dim!r} ({type(shard_dim).__name__})")
     if world_size != comm_size:
         return ValueError(
@@ -310,13 +306,16 @@ class DomainParallelManager:
 
 
 def library_comm(manager, group="domain"):
-    """Return the private duplicate of ``manager``'s ``"domain"`` or ``"data"`` communicator.
+    """Return the library's private communicator of ``manager``: ``"domain"``, ``"data"`` or ``"world"``.
 
-    The library's own messages travel only on these; users hold
-    ``domain_comm``/``data_parallel_comm`` and never see them.
+    ``"world"`` is the private duplicate of the parent communicator the
+    groups were split from. The library's own messages travel only on these;
+    users hold ``comm``, ``domain_comm`` and ``data_parallel_comm`` and never see them.
     """
     if manager.closed:
         raise RuntimeError(f"{manager!r} is closed; initialise a new manager")
+    if group == "world":
+        return manager._comm
     return manager._private[group]
 
 

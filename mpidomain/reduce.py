@@ -9,8 +9,8 @@ Torch the reduction is differentiable.
 import numpy as np
 
 from . import devices
-from ._mpi import agrees, mpi
-from .manager import get_domain_parallel_manager
+from ._mpi import agree, mpi
+from .manager import get_domain_parallel_manager, library_comm
 
 __all__ = ["allreduce", "group_communicator"]
 
@@ -22,8 +22,9 @@ _HALF = ("float16", "bfloat16")
 def group_communicator(group, manager=None):
     """Return the mpi4py communicator ``group`` names, or None for a one-process job with no manager.
 
-    ``group`` is ``"domain"``, ``"data_parallel"`` (the manager's
-    communicators; ``manager`` defaults to the initialised one) or an mpi4py
+    ``group`` is ``"domain"``, ``"data_parallel"`` (the library's private
+    duplicates of the manager's groups, so its messages never meet the
+    user's; ``manager`` defaults to the initialised one) or an mpi4py
     intracommunicator, returned as it is. Local: no communication. A group
     name with no manager in a job of several processes is a RuntimeError:
     silently skipping a gradient average would train each replica apart.
@@ -43,7 +44,7 @@ def group_communicator(group, manager=None):
             return None
         if manager.closed:
             raise RuntimeError(f"{manager!r} is closed; pass an open manager or call initialize_domain_parallel again")
-        return manager.domain_comm if group == "domain" else manager.data_parallel_comm
+        return library_comm(manager, "domain" if group == "domain" else "data")
     if not isinstance(group, mpi().Intracomm):
         raise TypeError(
             f"group must be one of {GROUPS} or an mpi4py intracommunicator, got {type(group).__name__}"
@@ -70,7 +71,7 @@ def reduce_array(x, op, comm):
     :func:`allreduce`. Every rank must pass the same shape, dtype and ``op``.
     """
     dtype = devices.array_spec(x).dtype
-    work = _as_float32(x) if dtype in _HALF else devices.contiguous(x)
+    work = devices.contiguous(_as_native(x, dtype))
     out = devices.empty(tuple(work.shape), like=work)
     datatype = devices.mpi_datatype(work)
     MPI = mpi()
@@ -86,11 +87,16 @@ def reduce_array(x, op, comm):
         comm.Allreduce([devices.mpi_buffer(work), datatype], [devices.mpi_buffer(out), datatype], op=operation)
     if op == "mean":
         out /= comm.Get_size()
-    return _cast(out, x) if dtype in _HALF else out
+    return out if out.dtype == x.dtype else _cast(out, x)
 
 
-def _as_float32(x):
-    return x.float() if devices.array_kind(x) == "torch" else devices.contiguous(x.astype("float32"))
+def _as_native(x, dtype):
+    """Return ``x`` in a type MPI reduces natively: float32 for half precision, native byte order."""
+    if dtype in _HALF:
+        return x.float() if devices.array_kind(x) == "torch" else x.astype("float32")
+    if devices.array_kind(x) != "torch" and not x.dtype.isnative:
+        return x.astype(x.dtype.newbyteorder("="))
+    return x
 
 
 def _cast(out, like):
@@ -116,29 +122,30 @@ def allreduce(x, op="sum", group="domain", manager=None):
     ValueError on every rank (checked with one small Allreduce).
     """
     comm = group_communicator(group, manager)
-    spec = devices.array_spec(x)
-    needs_grad = spec.kind == "torch" and x.requires_grad and _grad_enabled()
-    error = _op_error(op, spec)
-    if error is None and needs_grad and op == "prod":
-        error = NotImplementedError("allreduce(op='prod') is not differentiable; detach the tensor or use another op")
+    spec = signature = error = None
+    try:
+        spec = devices.array_spec(x)
+        needs_grad = spec.kind == "torch" and x.requires_grad and _grad_enabled()
+        signature = (op, tuple(x.shape), spec.dtype, needs_grad)
+        error = _op_error(op, spec)
+        if error is None and needs_grad and op == "prod":
+            error = NotImplementedError("allreduce(op='prod') is not differentiable; detach the tensor or use another op")
+    except TypeError as exc:  # not an array, or a dtype MPI cannot move
+        error = exc
     if comm is None:
         if error is not None:
             raise error
         return x
-    signature = (op, tuple(x.shape), spec.dtype, needs_grad, repr(error))
-    if not agrees(comm, signature):
-        listing = ", ".join(
-            f"rank {r}: op={o!r} shape {s} {t}{' requiring grad' * g}"
-            for r, (o, s, t, g, _) in enumerate(comm.allgather(signature))
-        )
-        raise ValueError(
-            f"allreduce needs the same op, shape, dtype and requires_grad on every rank, got {listing}"
-        )
-    if error is not None:
-        raise error
+    agree(comm, "allreduce", signature, error=error, mismatch=_mismatch)
     if spec.kind == "torch":
         return _autograd_function().apply(x, op, comm)
     return reduce_array(x, op, comm)
+
+
+def _mismatch(signatures):
+    listing = ", ".join(
+        f"rank {r}: op={o!r} shape {s} {t}{' requiring grad' * g}" for r, (o, s, t, g) in enumerate(signatures))
+    return ValueError(f"allreduce needs the same op, shape, dtype and requires_grad on every rank, got {listing}")
 
 
 def _grad_enabled():

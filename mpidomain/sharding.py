@@ -14,13 +14,13 @@ pinned host memory otherwise.
 
 import itertools
 import math
-import numbers
 
 import numpy as np
 
 from . import devices
-from ._mpi import mpi, raise_on_all_ranks
-from .manager import get_domain_parallel_manager
+from ._mpi import agree, mpi
+from ._validate import normalize_dim, require_int, require_manager
+from .manager import get_domain_parallel_manager, library_comm
 
 __all__ = ["balanced_split", "shard_tensor", "shard_batch", "gather_tensor", "scatter_tensor"]
 
@@ -34,39 +34,30 @@ def balanced_split(extent, parts):
     The first ``extent % parts`` ranks get one row more; 721 rows over 4
     ranks give counts ``(181, 180, 180, 180)`` and offsets ``(0, 181, 361, 541)``.
     """
-    for name, value, least in (("extent", extent, 0), ("parts", parts, 1)):
-        if not isinstance(value, numbers.Integral) or isinstance(value, bool):
-            raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
-        if value < least:
-            raise ValueError(f"{name} must be >= {least}, got {value}")
-    base, extra = divmod(int(extent), int(parts))
+    extent, parts = require_int("extent", extent, least=0), require_int("parts", parts, least=1)
+    base, extra = divmod(extent, parts)
     counts = tuple(base + (rank < extra) for rank in range(parts))
     offsets = tuple(itertools.accumulate((0,) + counts[:-1]))
     return counts, offsets
 
 
-def _active_manager(manager):
-    """Return the manager to split over, or None when there is nothing to split (no manager, D=1)."""
-    if manager is None:
+def _active_manager(manager, what=None):
+    """Return the manager to split over, or None when there is nothing to split (no manager alone, D=1).
+
+    Local entry points (``what`` None) keep CREDIT's semantics: no manager
+    means no split. Collective ones name themselves in ``what``: with no
+    manager in a job of several processes they raise, as halo exchange and
+    all-reduce do, instead of returning each rank's own array.
+    """
+    if what is not None:
+        manager = require_manager(manager, what, alone_ok=True)
+    elif manager is None:
         manager = get_domain_parallel_manager()
     if manager is None or manager.domain_parallel_size == 1:
         return None
     if manager.closed:
         raise RuntimeError(f"{manager!r} is closed; pass an open manager or call initialize_domain_parallel again")
     return manager
-
-
-def _checked_dim(dim, shape):
-    """Return ``dim`` as an index into ``shape``; raise TypeError/ValueError naming the fix."""
-    if not isinstance(dim, numbers.Integral) or isinstance(dim, bool):
-        raise TypeError(f"dim must be an int, got {dim!r} ({type(dim).__name__})")
-    ndim = len(shape)
-    if not -ndim <= dim < ndim:
-        raise ValueError(
-            f"dim={dim} is out of range for an array of shape {tuple(shape)}; "
-            f"pass a dim between {-ndim} and {ndim - 1}"
-        )
-    return int(dim) % ndim
 
 
 def _rows(dim, start, stop):
@@ -97,7 +88,7 @@ def shard_tensor(x, dim=-2, manager=None, *, allow_uneven=False):
     if manager is None:
         return x
     devices.array_kind(x)
-    dim = _checked_dim(dim, x.shape)
+    dim = normalize_dim(dim, x.shape)
     size, parts = x.shape[dim], manager.domain_parallel_size
     if size % parts and not allow_uneven:
         raise ValueError(
@@ -210,17 +201,18 @@ def _concatenate(blocks, dim, out=None):
     return np.concatenate(blocks, axis=dim, out=out)
 
 
-def _exchange_reports(comm, describe):
-    """Return every rank's ``describe()`` (one allgather); if it raised on any rank, raise on every rank."""
+def _exchange_reports(comm, call, describe):
+    """Return every rank's ``describe()``; if it raised on any rank, or a rank is in another call, raise on every rank.
+
+    Collective over ``comm``: one agreement Allreduce, then one allgather.
+    """
     error = report = None
     try:
         report = describe()
     except (TypeError, ValueError) as exc:
         error = exc
-    reports = comm.allgather((error is not None, report))
-    if any(failed for failed, _ in reports):
-        raise_on_all_ranks(comm, error)
-    return [report for _, report in reports]
+    agree(comm, call, None, error=error)
+    return comm.allgather(report)
 
 
 def _out_report(out):
@@ -265,7 +257,8 @@ def _shards_mismatch(reports, dim_arg):
 def _agreed_shards(comm, x, dim, out):
     """Check ``x``, ``dim`` and ``out`` on every rank of ``comm``; return ``(dim, counts)`` or raise on all ranks."""
     reports = _exchange_reports(
-        comm, lambda: (tuple(x.shape), devices.array_spec(x), _checked_dim(dim, x.shape), _out_report(out)))
+        comm, "gather_tensor", lambda: (devices.array_spec(x), tuple(x.shape), normalize_dim(dim, x.shape), _out_report(out)))
+    reports = [(shape, spec, d, o) for spec, shape, d, o in reports]
     error = _shards_mismatch(reports, dim)
     if error is not None:
         raise error
@@ -291,10 +284,10 @@ def gather_tensor(x, dim=-2, manager=None, *, out=None):
     number of dimensions, extent outside ``dim`` or ``out`` that does not
     fit raises ValueError on every rank.
     """
-    manager = _active_manager(manager)
+    manager = _active_manager(manager, "gather_tensor")
     if manager is None:
         return x
-    comm = manager.domain_comm
+    comm = library_comm(manager)
     dim, counts = _agreed_shards(comm, x, dim, out)
     rank = comm.Get_rank()
     offsets = list(itertools.accumulate([0] + counts[:-1]))
@@ -315,6 +308,7 @@ def gather_tensor(x, dim=-2, manager=None, *, out=None):
         host_out = devices.pinned_empty(full_shape, devices.numpy_dtype(x), like=x) if _staged(out) else devices.mpi_buffer(out)
         host_x = _host_view(x)
         recv_types = _placed_types(outer, row_bytes, counts, offsets, full_shape[dim])
+        _free([recv_types[rank]])  # this rank's own rows are copied, not received
         recv_types[rank] = None
         try:
             _alltoallw(comm, host_x, send_types, host_out, recv_types)
@@ -367,8 +361,7 @@ def _scatter_plan(comm, x, dim, root, out):
     rank, size = comm.Get_rank(), comm.Get_size()
 
     def describe():
-        if not isinstance(root, numbers.Integral) or isinstance(root, bool):
-            raise TypeError(f"root must be an int (a domain rank), got {root!r} ({type(root).__name__})")
+        require_int("root", root, hint="pass a domain rank")
         if not 0 <= root < size:
             raise ValueError(f"root={root} is not a domain rank; pass a root between 0 and {size - 1}")
         plan = None
@@ -378,10 +371,10 @@ def _scatter_plan(comm, x, dim, root, out):
                     f"scatter_tensor got x=None on the root (domain rank {root}); the root must pass the full "
                     "array, the other ranks pass None"
                 )
-            plan = (devices.array_spec(x), tuple(x.shape), _checked_dim(dim, x.shape))
+            plan = (devices.array_spec(x), tuple(x.shape), normalize_dim(dim, x.shape))
         return root, dim, plan, _out_report(out)
 
-    reports = _exchange_reports(comm, describe)
+    reports = _exchange_reports(comm, "scatter_tensor", describe)
     if len({(r, d) for r, d, _, _ in reports}) > 1:
         listing = ", ".join(f"rank {r}: root={o} dim={d}" for r, (o, d, _, _) in enumerate(reports))
         raise ValueError(f"scatter_tensor needs the same root and dim on every rank, got {listing}")
@@ -409,12 +402,12 @@ def scatter_tensor(x, dim=-2, root=0, manager=None, *, out=None):
     root, a bad ``root``, ``dim`` or ``out``, or ranks disagreeing on
     ``root`` or ``dim`` raise on every rank.
     """
-    manager = _active_manager(manager)
+    manager = _active_manager(manager, "scatter_tensor")
     if manager is None:
         if x is None:
             raise ValueError("scatter_tensor got x=None with no domain decomposition (no manager or D=1); pass the array")
         return x
-    comm = manager.domain_comm
+    comm = library_comm(manager)
     spec, shape, dim = _scatter_plan(comm, x, dim, root, out)
     rank = comm.Get_rank()
     counts, offsets = balanced_split(shape[dim], comm.Get_size())

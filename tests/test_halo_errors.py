@@ -29,7 +29,7 @@ def test_needs_a_manager(world):
     (dict(halo_width=-1), ValueError, r"halo_width must be >= 0, got -1"),
     (dict(halo_width=1.5), TypeError, r"halo_width must be an int, got 1.5 \(float\); pass the number of ghost rows"),
     (dict(halo_width=True), TypeError, r"halo_width must be an int, got True \(bool\)"),
-    (dict(dim=3), ValueError, r"dim=3 is out of range for a 2-d array of shape \(4, 3\); use -2 <= dim < 2"),
+    (dict(dim=3), ValueError, r"dim=3 is out of range for a 2-d array of shape \(4, 3\); pass a dim between -2 and 1"),
     (dict(dim="H"), TypeError, r"dim must be an int, got 'H' \(str\)"),
     (dict(periodic="yes"), TypeError, r"periodic must be True or False, got 'yes'"),
     (dict(x=[[1.0, 2.0]]), TypeError, r"expected a NumPy array, CuPy array or Torch tensor, got builtins.list"),

@@ -47,14 +47,23 @@ def test_balanced_split():
 def test_no_manager_or_one_rank_returns_x(world, fresh_manager):
     x = np.arange(24.0).reshape(2, 3, 4)
     assert mpidomain.get_domain_parallel_manager() is None
-    assert shard_tensor(x) is x and gather_tensor(x) is x and scatter_tensor(x) is x
+    assert shard_tensor(x) is x  # local: CREDIT's semantics, no manager means no split
     batch = {"x": x}
     assert shard_batch(batch) is batch
+    if world.size == 1:
+        assert gather_tensor(x) is x and scatter_tensor(x) is x
+        with pytest.raises(ValueError, match="scatter_tensor got x=None"):
+            scatter_tensor(None)
+    else:  # collective entry points, like halo_exchange and allreduce, refuse to work alone
+        for function in (gather_tensor, scatter_tensor):
+            with pytest.raises(RuntimeError, match=f"{function.__name__} needs a domain-parallel manager, but none "
+                                                   f"is initialised in this {world.size}-process job"):
+                function(x)
     with DomainParallelManager(world.size, 1) as m:
         assert shard_tensor(x, manager=m) is x and gather_tensor(x, manager=m) is x
         assert scatter_tensor(x, manager=m) is x and shard_batch(batch, manager=m) is batch
-    with pytest.raises(ValueError, match="scatter_tensor got x=None"):
-        scatter_tensor(None)
+        with pytest.raises(ValueError, match="scatter_tensor got x=None"):
+            scatter_tensor(None, manager=m)
 
 
 @pytest.mark.parametrize("kind", ["numpy", "torch"])
@@ -198,7 +207,7 @@ def test_shard_batch_rules(world):
 def test_local_errors(world):
     d = _d(world, 1)
     with DomainParallelManager(world.size, d) as m:
-        with pytest.raises(ValueError, match=r"dim=4 is out of range for an array of shape \(2, 3\); pass a dim between -2 and 1"):
+        with pytest.raises(ValueError, match=r"dim=4 is out of range for a 2-d array of shape \(2, 3\); pass a dim between -2 and 1"):
             shard_tensor(np.zeros((2, 3)), 4, m)
         with pytest.raises(TypeError, match="dim must be an int, got 'h'"):
             shard_tensor(np.zeros((2, 3)), "h", m)

@@ -10,7 +10,7 @@ pinned host buffer; half-precision gradients are reduced in float32.
 import torch
 
 from .. import devices
-from .._mpi import _ranges, agrees, mpi
+from .._mpi import _ranges, agree, mpi
 from ..reduce import group_communicator
 
 __all__ = ["allreduce_gradients", "DEFAULT_BUCKET_BYTES"]
@@ -50,13 +50,13 @@ def _local_error(op, bucket_bytes, params):
 def _mismatch(signatures):
     """Return a ValueError describing how the ranks' gradient signatures differ."""
     lines = []
-    for rank, (op, bucket_bytes, count, entries, _) in enumerate(signatures):
+    for rank, (op, bucket_bytes, count, entries) in enumerate(signatures):
         with_grad = [index for index, *_ in entries]
         listed = _ranges(with_grad) if with_grad else "none"
         lines.append(f"rank {rank}: op={op!r} bucket_bytes={bucket_bytes}, {len(with_grad)} of {count} "
                      f"parameters with a gradient ({listed})")
     shapes = {}
-    for rank, (*_, entries, _) in enumerate(signatures):
+    for rank, (*_, entries) in enumerate(signatures):
         for index, *described in entries:
             shapes.setdefault(index, {}).setdefault(tuple(described), []).append(rank)
     for index, variants in sorted(shapes.items()):
@@ -98,11 +98,7 @@ def allreduce_gradients(module_or_params, group="data_parallel", op="mean", mana
         if error is not None:
             raise error
         return 0
-    signature = (op, bucket_bytes, len(params), entries, repr(error))
-    if not agrees(comm, signature):
-        raise _mismatch(comm.allgather(signature))
-    if error is not None:
-        raise error
+    agree(comm, "allreduce_gradients", (op, bucket_bytes, len(params), entries), error=error, mismatch=_mismatch)
     grads = [params[index].grad for index, *_ in entries]
     buckets = _buckets(grads, bucket_bytes)
     staging = None

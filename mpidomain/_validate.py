@@ -1,0 +1,62 @@
+"""The argument checks every entry point shares: ints, dims, and the manager to work on.
+
+Local: no communication. Each raises the built-in exception whose meaning
+fits, naming the argument, what was expected, what was received and the fix.
+"""
+
+import numbers
+
+import numpy as np
+
+from ._mpi import mpi
+
+
+def is_int(value):
+    """Return True for an integer that is not a bool (Python or NumPy)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+
+
+def require_int(name, value, least=None, hint=""):
+    """Return ``value`` as an int; raise TypeError if it is no int, ValueError if below ``least``."""
+    if not is_int(value):
+        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__}){'; ' + hint if hint else ''}")
+    if least is not None and value < least:
+        raise ValueError(f"{name} must be >= {least}, got {value}{'; ' + hint if hint else ''}")
+    return int(value)
+
+
+def normalize_dim(dim, shape, name="dim"):
+    """Return ``dim`` as an index in ``range(len(shape))``; raise TypeError/ValueError naming the fix."""
+    require_int(name, dim, hint="e.g. -2 for latitude in (B, C, H, W)")
+    ndim = len(shape)
+    if not -ndim <= dim < ndim:
+        raise ValueError(
+            f"{name}={dim} is out of range for a {ndim}-d array of shape {tuple(shape)}; "
+            f"pass a {name} between {-ndim} and {ndim - 1}"
+        )
+    return int(dim) % ndim
+
+
+def require_manager(manager, what, alone_ok=False):
+    """Return ``manager``, else the initialised one; raise RuntimeError if none or closed.
+
+    With ``alone_ok``, a job of one process with no manager gets None (the
+    caller then works locally, as on a group of one rank); with several
+    processes, a missing manager is always an error: silently working alone
+    would give each rank a different answer.
+    """
+    if manager is None:
+        from .manager import get_domain_parallel_manager
+
+        manager = get_domain_parallel_manager()
+    if manager is None:
+        processes = mpi().COMM_WORLD.Get_size()
+        if alone_ok and processes == 1:
+            return None
+        raise RuntimeError(
+            f"{what} needs a domain-parallel manager, but none is initialised in this {processes}-process job; "
+            "call mpidomain.initialize_domain_parallel(world_size, domain_parallel_size) first, or pass manager="
+        )
+    if manager.closed:
+        raise RuntimeError(f"{manager!r} is closed; pass an open manager or call initialize_domain_parallel again")
+    return manager
