@@ -26,8 +26,16 @@ def _common(parser):
     )
 
 
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser that prints usage, help and errors once: every rank parses the same command line."""
+
+    def _print_message(self, message, file=None):
+        if mpi().COMM_WORLD.Get_rank() == 0:
+            super()._print_message(message, file)
+
+
 def _parser():
-    parser = argparse.ArgumentParser(prog="python -m mpidomain", description=__doc__,
+    parser = _Parser(prog="python -m mpidomain", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
     _common(commands.add_parser("info", help="print every rank's place in the domain-parallel mesh"))
@@ -53,20 +61,23 @@ def _device_policy(text):
 
 
 def _shape(text):
-    """Parse --shape: comma-separated positive extents, at least two."""
+    """Parse --shape: four comma-separated positive extents, B,C,H,W."""
     try:
         shape = tuple(int(n) for n in text.split(","))
     except ValueError:
         shape = ()
-    if len(shape) < 2 or min(shape) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive extents such as 1,32,64,1440, got {text!r}")
+    if len(shape) != 4 or min(shape) < 1:
+        raise argparse.ArgumentTypeError(
+            f"expected four positive extents B,C,H,W (batch, channels, latitude, longitude) such as 1,32,64,1440, "
+            f"got {text!r}")
     return shape
 
 
 def _manager(args, size):
     """The global manager for a command; the GPU libraries are imported first so that it binds."""
     binding._find_devices(import_libraries=True)
-    return initialize_domain_parallel(size, args.domain_parallel_size or size, bind_device=args.bind_device)
+    d = size if args.domain_parallel_size is None else args.domain_parallel_size
+    return initialize_domain_parallel(size, d, bind_device=args.bind_device)
 
 
 def _info(args):

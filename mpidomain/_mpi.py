@@ -80,20 +80,21 @@ def check_same(comm, value, what, fix=""):
     raise ValueError(f"{what} must be the same on every rank, got {listing}. {fix}".rstrip())
 
 
-def agrees_and_any(comm, value, flag):
-    """Return (all ranks of ``comm`` passed an equal ``value``, ``flag`` set on any rank), alike on every rank.
+def agrees_and_any(comm, value, flag, token=0):
+    """Return (all ranks of ``comm`` passed an equal ``value``, ``flag`` set on any rank or ``token`` unequal).
 
-    Collective: one Allreduce of three integers (a digest of ``repr(value)``
-    and the flag), cheap enough for every call of a hot path.
+    Both results are alike on every rank. Collective: one Allreduce of five
+    integers (a digest of ``repr(value)``, the flag, the int ``token``),
+    cheap enough for every call of a hot path.
     """
     digest = hashlib.blake2b(repr(value).encode(), digest_size=8).digest()
     code = int.from_bytes(digest, "little") >> 2
-    values = np.array([code, -code, int(bool(flag))], dtype=np.int64)
+    values = np.array([code, -code, int(bool(flag)), token, -token], dtype=np.int64)
     comm.Allreduce(mpi().IN_PLACE, values, op=mpi().MAX)
-    return int(values[0]) == -int(values[1]), bool(values[2])
+    return int(values[0]) == -int(values[1]), bool(values[2]) or int(values[3]) != -int(values[4])
 
 
-def agree(comm, call, description, flag=False, error=None, mismatch=None):
+def agree(comm, call, description, flag=False, error=None, mismatch=None, token=0):
     """Settle one collective call on every rank of ``comm``: return ``flag`` set on any rank, or raise on all.
 
     Collective: every entry point that communicates starts with it, so a
@@ -104,9 +105,11 @@ def agree(comm, call, description, flag=False, error=None, mismatch=None):
     rank raises: RuntimeError if the ranks are in different calls; the local
     errors as :func:`raise_on_all_ranks` does; else ``mismatch(descriptions)``
     (one per rank) returns the exception, default a ValueError listing them.
+    Ranks passing different int ``token`` values also return True: e.g. a
+    cache hit on every rank, but on plans that were not built together.
     """
     local = None if error is None else f"{type(error).__name__}: {error}"
-    same, any_flag = agrees_and_any(comm, (call, description, local), flag)
+    same, any_flag = agrees_and_any(comm, (call, description, local), flag, token)
     if same:
         if error is not None:
             raise error

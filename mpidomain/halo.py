@@ -97,9 +97,12 @@ def _group_mismatch(everyone):
     return kind("halo exchange inputs disagree across the domain group:\n  " + "\n  ".join(problems))
 
 
-def _agree_inputs(comm, call, mine, error, flag=False):
-    """Agree on the ranks' inputs (one Allreduce) for ``call``; return ``flag`` set on any rank, or raise on all."""
-    return agree(comm, call, _signature(mine), flag, error, _group_mismatch)
+def _agree_inputs(comm, call, mine, error, flag=False, token=0):
+    """Agree on the ranks' inputs (one Allreduce) for ``call``; return ``flag`` set on any rank, or raise on all.
+
+    Also True where the ranks' int ``token`` differ.
+    """
+    return agree(comm, call, _signature(mine), flag, error, _group_mismatch, token)
 
 
 def _check_extents(comm, mine):
@@ -194,7 +197,7 @@ class HaloPlan:
         prev_rank = rank - 1 if rank > 0 else (size - 1 if self.periodic else None)
         next_rank = rank + 1 if rank < size - 1 else (0 if self.periodic else None)
         self.neighbors = (prev_rank, next_rank)  # ranks of manager.domain_comm
-        to_next = allocate_tags(manager, 2)
+        self.tag = to_next = allocate_tags(manager, 2)  # the same on every rank: names the plan
         to_prev = to_next + 1
 
         top, first, last, bottom = self._rows(0, h), self._rows(h, 2 * h), self._rows(n, n + h), self._rows(n + h, n + 2 * h)
@@ -592,7 +595,10 @@ def cached_plan(x, halo_width, dim=None, *, periodic=False, manager=None, call="
         error = exc
     cache = _CACHES.setdefault(manager, OrderedDict())
     plan = cache.get(key)
-    miss = _agree_inputs(comm, "halo_exchange", mine, error, flag=plan is None)
+    # A hit counts only if every rank hit the same plan, the one built together with the same tags:
+    # after uneven shards, one rank's key can find a plan its neighbour has since replaced.
+    miss = _agree_inputs(comm, "halo_exchange", mine, error, flag=plan is None,
+                         token=-1 if plan is None else plan.tag)
     if not miss:
         cache.move_to_end(key)
         return plan

@@ -286,6 +286,7 @@ def gather_tensor(x, dim=-2, manager=None, *, out=None):
     """
     manager = _active_manager(manager, "gather_tensor")
     if manager is None:
+        devices.array_kind(x)  # a non-array is a mistake with one rank too
         return x
     comm = library_comm(manager)
     dim, counts = _agreed_shards(comm, x, dim, out)
