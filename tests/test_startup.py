@@ -1,6 +1,9 @@
 """Fresh MPI jobs: import without MPI, the seed's 8-rank layout, info, and abort on error."""
 
 import re
+import time
+
+import pytest
 
 from mpitest import open_mpi, run_mpi, run_python
 
@@ -79,3 +82,38 @@ def test_abort_hook_opt_out(world):
         code = ("import sys, mpidomain; mpidomain.initialize_domain_parallel(1, 1, abort_on_error=False); "
                 "print(sys.excepthook is sys.__excepthook__)")
         assert run_python(["-c", code]).stdout.strip() == "True"
+
+
+EXITS_SCRIPT = """
+import sys
+from mpi4py import MPI
+import mpidomain
+mode, comm = sys.argv[1], MPI.COMM_WORLD
+if mode == "before" and comm.rank == 1:
+    raise ValueError("rank one fails before the manager exists")
+mpidomain.initialize_domain_parallel(comm.size, comm.size)
+if comm.rank == 1 and mode == "exit":
+    sys.exit(3)
+if comm.rank == 1 and mode == "after":
+    raise ValueError("rank one fails after initialisation")
+comm.Barrier()  # rank 0 would wait here forever
+"""
+
+
+@pytest.mark.parametrize("mode, message", [
+    ("before", "ValueError: rank one fails before the manager exists"),
+    ("exit", None),
+    ("after", "[rank 1] ValueError: rank one fails after initialisation"),
+])
+def test_python_m_mpi4py_ends_exits_the_library_cannot_see(world, tmp_path_factory, mode, message):
+    # The README's errors section: under `python -m mpi4py`, an exception before the manager exists and
+    # sys.exit(3) on one rank end the job too; after initialisation our hook still prints once and aborts.
+    if world.rank == 0:
+        script = tmp_path_factory.mktemp("exits") / "train.py"
+        script.write_text(EXITS_SCRIPT)
+        started = time.monotonic()
+        result = run_mpi(2, ["-m", "mpi4py", str(script), mode], timeout=60)
+        assert result.returncode != 0, result.stderr  # the status itself is the launcher's (MPICH: 1, 3)
+        assert time.monotonic() - started < 30
+        if message is not None:
+            assert result.stderr.count(message) == 1, result.stderr
