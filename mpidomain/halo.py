@@ -624,7 +624,13 @@ def halo_exchange(x, halo_width, dim=None, *, periodic=False, manager=None):
     last rows, ``x``, the next rank's first rows; zeros at the ends of the
     domain group, or the rows from the other end when ``periodic=True``. The
     result has that shape for any D, one rank included (CREDIT returns ``x``
-    unpadded when D=1).
+    unpadded when D=1). Along a dimension the manager does not shard (e.g.
+    longitude, ``dim=-1``, of a latitude-sharded field) each rank holds the
+    whole extent, so the result is a local pad of ``x``: its own wrapped rows
+    with ``periodic=True``, zeros otherwise. Every call starts with one small
+    agreement step (an Allreduce) that checks the ranks' arguments and settles
+    the plan cache alike on every rank; a mismatch raises on every rank. A
+    Torch tensor that requires grad goes through :class:`mpidomain.nn.HaloExchange`.
 
     :param x: This rank's shard: NumPy array, CuPy array or Torch tensor.
     :param halo_width: Ghost rows on each side (<= every rank's extent along ``dim``).

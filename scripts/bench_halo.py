@@ -11,8 +11,10 @@ Each rank holds one shard of the given shape (float32). Rows, per shape and halo
   pad-and-exchange must do; and, for information, a fresh allocation plus that copy (a large
   fresh array page-faults on every call);
 - mpidomain pad-and-exchange, NumPy and Torch: ``halo_exchange(x, h)``;
-- the same into a freshly allocated output each call (``halo_exchange`` reuses the previous
-  output once the program dropped it);
+- the same through a held plan, ``plan.pad(x)`` (no per-call agreement step, no cache lookup),
+  and the agreement step alone (one Allreduce of five integers, what every ``halo_exchange``
+  call adds to check the ranks' arguments and settle the plan cache alike);
+- the same into a freshly allocated output each call;
 - hand-written mpi4py: pack contiguous halos, Isend/Irecv, then concatenate;
 - CREDIT's exchange on torch.distributed gloo: P2POps, batch_isend_irecv, then torch.cat;
 - raw transfer: persistent requests moving contiguous buffers holding the same halo bytes;
@@ -38,6 +40,7 @@ from mpi4py import MPI
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import mpidomain  # noqa: E402
+from mpidomain._mpi import agrees_and_any  # noqa: E402
 
 WORLD = MPI.COMM_WORLD
 
@@ -179,6 +182,7 @@ def bench(shape, h, repetitions, manager, rows):
         MPI.Prequest.Startall(requests)
         MPI.Request.Waitall(requests)
 
+    signature = {"array": "numpy on host", "dtype": x.dtype, "ndim": x.ndim, "dim": 2, "halo_width": h}
     # Same results before timing anything.
     ours = mpidomain.halo_exchange(x, h, dim)
     assert np.array_equal(ours, mpi4py_exchange(comm, x, h, prev_rank, next_rank))
@@ -194,6 +198,8 @@ def bench(shape, h, repetitions, manager, rows):
         "mpidomain pad+exchange numpy": lambda: mpidomain.halo_exchange(x, h, dim),
         "mpidomain pad+exchange torch": lambda: mpidomain.halo_exchange(xt, h, dim),
         "pad+exchange, fresh output": lambda: plan.pad(x, np.empty(padded_shape, np.float32)),
+        "held plan pad": lambda: plan.pad(x),
+        "agreement step": lambda: agrees_and_any(comm, ("halo_exchange", signature), False, 16),
         "hand-written mpi4py": lambda: mpi4py_exchange(comm, x, h, prev_rank, next_rank),
         "CREDIT gloo": lambda: credit_gloo_exchange(xt, h, dim, prev_rank, next_rank),
     }, repetitions)
@@ -214,6 +220,8 @@ def bench(shape, h, repetitions, manager, rows):
         ("mpidomain pad+exchange numpy", "floor numpy", 1.15 if two and large else None, "<="),
         ("mpidomain pad+exchange torch", "floor torch", 1.15 if two and large else None, "<="),
         ("pad+exchange, fresh output", "mpidomain pad+exchange numpy", None, "<="),
+        ("held plan pad", "mpidomain pad+exchange numpy", None, "<="),
+        ("agreement step", "mpidomain pad+exchange numpy", None, "<="),
         ("hand-written mpi4py", "mpidomain pad+exchange numpy", None, "<="),
         ("mpidomain pad+exchange numpy", "hand-written mpi4py", 1.5 if two and not large else None, "<="),
         ("CREDIT gloo", "mpidomain pad+exchange torch", (3 if large else 8) if two else None, ">="),
