@@ -44,7 +44,6 @@ _CACHE_SIZE = 16
 # smaller ones in a contiguous buffer, then one copy. With MPICH on shared memory the datatype
 # saves the copy of a 1 MB halo but costs more than copying a 16 KB one (scripts/bench_halo.py).
 _IN_PLACE_RECEIVE_BYTES = 256 * 1024
-_TRANSPORT_OVERRIDE = None  # tests set "packed" or "staged" to run the device paths on host arrays
 _NUMBER_KINDS = "biufc"  # bool, signed, unsigned, float, complex
 
 _CACHES = weakref.WeakKeyDictionary()  # manager -> halo_exchange's plans, least recently used first
@@ -118,8 +117,6 @@ def _check_extents(comm, mine):
 
 
 def _choose_transport(x):
-    if _TRANSPORT_OVERRIDE is not None:
-        return _TRANSPORT_OVERRIDE
     if not devices.is_device_array(x):
         return "host"
     return "packed" if devices.cuda_aware_decision().enabled else "staged"

@@ -139,11 +139,10 @@ def test_uneven_era5_latitudes(world):
             assert np.array_equal(out, reference(field, -2, 2, periodic, start, n))
 
 
-@pytest.mark.parametrize("transport", ["packed", "staged"])
-def test_device_transports_on_host(world, monkeypatch, transport):
+def test_device_transports_on_host(world, fake_device_path):
     """The packed and staged paths (used for GPU memory) give the host path's results."""
     torch = pytest.importorskip("torch")
-    monkeypatch.setattr(halo, "_TRANSPORT_OVERRIDE", transport)
+    transport = {"staged": "staged", "cuda-aware": "packed"}[fake_device_path]
     template, dim = LAYOUTS["5d-dim3"]
     for d in divisors(world.size):
         for h, periodic, uneven in ((1, False, True), (3, True, False), (2, True, True)):

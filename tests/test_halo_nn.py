@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from mpidomain import DomainParallelManager, halo
+from mpidomain import DomainParallelManager
 from mpitest import divisors
 from test_halo import all_cases, global_field, reference, shard_bounds
 
@@ -49,9 +49,15 @@ def shard(field, manager, dim):
     return field.narrow(dim, start, n), start, n
 
 
-@pytest.mark.parametrize("transport", [None, "packed", "staged"])
-def test_forward_and_backward_match_the_global_adjoint(world, monkeypatch, transport):
-    monkeypatch.setattr(halo, "_TRANSPORT_OVERRIDE", transport)  # packed and staged: the GPU paths, on the host
+def test_forward_and_backward_match_the_global_adjoint(world):
+    check_against_the_global_adjoint(world)
+
+
+def test_device_paths_match_the_global_adjoint(world, fake_device_path):
+    check_against_the_global_adjoint(world)  # the GPU paths (staged, CUDA-aware), on host memory
+
+
+def check_against_the_global_adjoint(world):
     for d, h, periodic, uneven in all_cases(world):
         with DomainParallelManager(world.size, d) as manager:
             extent = 3 * d + (d - 1 if uneven else 0)
