@@ -99,7 +99,7 @@ def agree(comm, call, description, flag=False, error=None, mismatch=None, token=
 
     Collective: every entry point that communicates starts with it, so a
     rank that skipped or reordered a call meets the others here. Costs one
-    Allreduce of three integers when the ranks agree. ``call`` names the
+    Allreduce of five integers when the ranks agree. ``call`` names the
     entry point, ``description`` what this rank passed (picklable, compared
     with ==), ``error`` this rank's local problem or None. Otherwise every
     rank raises: RuntimeError if the ranks are in different calls; the local

@@ -256,9 +256,11 @@ def _shards_mismatch(reports, dim_arg):
 
 def _agreed_shards(comm, x, dim, out):
     """Check ``x``, ``dim`` and ``out`` on every rank of ``comm``; return ``(dim, counts)`` or raise on all ranks."""
-    reports = _exchange_reports(
-        comm, "gather_tensor", lambda: (devices.array_spec(x), tuple(x.shape), normalize_dim(dim, x.shape), _out_report(out)))
-    reports = [(shape, spec, d, o) for spec, shape, d, o in reports]
+    def describe():
+        spec = devices.array_spec(x)  # first: a non-array is a TypeError here, not an AttributeError on .shape
+        return tuple(x.shape), spec, normalize_dim(dim, x.shape), _out_report(out)
+
+    reports = _exchange_reports(comm, "gather_tensor", describe)
     error = _shards_mismatch(reports, dim)
     if error is not None:
         raise error
