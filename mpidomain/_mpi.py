@@ -80,21 +80,31 @@ def check_same(comm, value, what, fix=""):
     raise ValueError(f"{what} must be the same on every rank, got {listing}. {fix}".rstrip())
 
 
-def agrees_and_any(comm, value, flag, token=0):
+def digest(value):
+    """Return a 62-bit digest of ``repr(value)``: what :func:`agrees_and_any` compares across ranks."""
+    return int.from_bytes(hashlib.blake2b(repr(value).encode(), digest_size=8).digest(), "little") >> 2
+
+
+def agrees_and_any(comm, value, flag, token=0, code=None):
     """Return (all ranks of ``comm`` passed an equal ``value``, ``flag`` set on any rank or ``token`` unequal).
 
     Both results are alike on every rank. Collective: one Allreduce of five
     integers (a digest of ``repr(value)``, the flag, the int ``token``),
-    cheap enough for every call of a hot path.
+    cheap enough for every call of a hot path. ``code``, if given, is
+    ``digest(value)`` computed earlier.
     """
-    digest = hashlib.blake2b(repr(value).encode(), digest_size=8).digest()
-    code = int.from_bytes(digest, "little") >> 2
+    code = digest(value) if code is None else code
     values = np.array([code, -code, int(bool(flag)), token, -token], dtype=np.int64)
     comm.Allreduce(mpi().IN_PLACE, values, op=mpi().MAX)
     return int(values[0]) == -int(values[1]), bool(values[2]) or int(values[3]) != -int(values[4])
 
 
-def agree(comm, call, description, flag=False, error=None, mismatch=None, token=0):
+def agreement_code(call, description):
+    """Return the digest :func:`agree` compares for ``call`` with ``description`` and no local error."""
+    return digest((call, description, None))
+
+
+def agree(comm, call, description, flag=False, error=None, mismatch=None, token=0, code=None):
     """Settle one collective call on every rank of ``comm``: return ``flag`` set on any rank, or raise on all.
 
     Collective: every entry point that communicates starts with it, so a
@@ -107,9 +117,11 @@ def agree(comm, call, description, flag=False, error=None, mismatch=None, token=
     (one per rank) returns the exception, default a ValueError listing them.
     Ranks passing different int ``token`` values also return True: e.g. a
     cache hit on every rank, but on plans that were not built together.
+    ``code``, for a call made again and again, is
+    ``agreement_code(call, description)`` kept from an earlier call.
     """
     local = None if error is None else f"{type(error).__name__}: {error}"
-    same, any_flag = agrees_and_any(comm, (call, description, local), flag, token)
+    same, any_flag = agrees_and_any(comm, (call, description, local), flag, token, code if error is None else None)
     if same:
         if error is not None:
             raise error

@@ -13,7 +13,7 @@ import statistics
 
 import numpy as np
 
-from . import devices, info
+from . import devices, info, transport
 from ._mpi import _ranges, mpi
 from .halo import halo_exchange
 from .sharding import balanced_split, gather_tensor, shard_tensor
@@ -118,21 +118,15 @@ def _check_round_trip(manager, full, device):
     return _mismatch(gather_tensor(shard, dim=-2, manager=manager), full, "gather_tensor(shard_tensor(x))")
 
 
-def _exchange_times(comm, partner, send, recv, repeats, staged):
+def _exchange_times(comm, partner, send, recv, repeats):
     """Seconds for ``repeats`` round trips of ``send``/``recv`` with ``partner`` (after one warm-up)."""
     MPI = mpi()
-    host_send = devices.pinned_empty(tuple(send.shape), devices.numpy_dtype(send), like=send) if staged else None
-    host_recv = devices.pinned_empty(tuple(recv.shape), devices.numpy_dtype(recv), like=recv) if staged else None
+    way = transport.transport_for(send)
+    host_send, host_recv = way.staging(send), way.staging(recv)  # None unless staged
 
     def once():
-        if staged:
-            devices.copy_to_host(send, host_send)
-            comm.Sendrecv(host_send, partner, 0, host_recv, partner, 0)
-            devices.copy_to_device(host_recv, recv)
-            devices.synchronize(recv)
-        else:
-            devices.synchronize(send)
-            comm.Sendrecv(devices.mpi_buffer(send), partner, 0, devices.mpi_buffer(recv), partner, 0)
+        with way.writable(recv, host_recv) as received:
+            comm.Sendrecv(way.readable(send, host_send), partner, 0, received, partner, 0)
 
     once()
     start = MPI.Wtime()
@@ -141,7 +135,7 @@ def _exchange_times(comm, partner, send, recv, repeats, staged):
     return MPI.Wtime() - start
 
 
-def _measure_links(manager, message_shape, device, repeats, staged):
+def _measure_links(manager, message_shape, device, repeats):
     """Return [(global rank a, global rank b, GB/s)] for this domain group's neighbour pairs.
 
     Link k joins domain ranks k and k+1; even links run together, then odd ones, so
@@ -158,7 +152,7 @@ def _measure_links(manager, message_shape, device, repeats, staged):
         partner = rank + 1 if rank % 2 == parity else rank - 1
         comm.Barrier()
         if 0 <= partner < size:
-            seconds = _exchange_times(comm, partner, send, recv, repeats, staged)
+            seconds = _exchange_times(comm, partner, send, recv, repeats)
             if rank < partner:
                 measured.append((first + rank, first + partner, 2 * nbytes * repeats / seconds / 1e9))
     return measured
@@ -190,13 +184,13 @@ def run_check(manager, device, shape, width, repeats):
         report.say("  ok: gather_tensor(shard_tensor(x)) == x on every rank")
 
     decision = devices.cuda_aware_decision()
-    staged = device == "cuda" and not decision.enabled
+    staged = transport.transport_for(_on_device(np.zeros(1, np.float32), device)).name == "staged"
     message_shape = tuple(shape[:-2]) + (width, shape[-1])
     kib = math.prod(message_shape) * 4 / 1024
     report.say(f"[4/{STEPS}] halo bandwidth per neighbour pair ({kib:.1f} KiB messages, {repeats} round trips"
                f"{', staged through host' if staged else ''})")
     links = [link for part in library_comm(manager, "world").allgather(
-        _measure_links(manager, message_shape, device, repeats, staged) if manager.domain_parallel_size > 1 else [])
+        _measure_links(manager, message_shape, device, repeats) if manager.domain_parallel_size > 1 else [])
         for link in part]
     hosts = library_comm(manager, "world").allgather(socket.gethostname())
     slowest = None

@@ -30,6 +30,7 @@ __all__ = [
     "empty",
     "contiguous",
     "assign",
+    "add_into",
     "byte_view",
     "from_numpy",
     "mpi_datatype",
@@ -180,6 +181,15 @@ def assign(dst, src):
         dst.copy_(src.detach())
     else:
         dst[...] = src
+    return dst
+
+
+def add_into(dst, src):
+    """Add ``src`` onto ``dst`` in place (views welcome); both of the same kind and device. Returns ``dst``."""
+    if array_kind(dst) == "torch":
+        dst.add_(src.detach())
+    else:
+        dst += src
     return dst
 
 

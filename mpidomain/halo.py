@@ -25,30 +25,21 @@ CREDIT returns ``x`` unpadded when the domain group has one rank; mpidomain
 pads whatever D is, so the code after the exchange never branches on D.
 """
 
-import weakref
-from collections import OrderedDict
-
 import numpy as np
 
-from . import devices
-from ._mpi import agree, is_active, mpi
+from . import devices, plan_cache, transport
+from ._mpi import agree, agreement_code, is_active, mpi
 from ._validate import normalize_dim, require_int, require_manager
+from .halo_layout import HaloLayout
 from .manager import allocate_tags, library_comm
 
 __all__ = ["HaloPlan", "halo_exchange"]
 
-# Each plan gets two tags of its manager (allocate_tags): the first for rows travelling to the
-# next rank (they fill its leading ghost rows), the second for rows travelling to the previous one.
-_CACHE_SIZE = 16
 # Host halos at least this large arrive straight in the padded array through a subarray datatype;
 # smaller ones in a contiguous buffer, then one copy. With MPICH on shared memory the datatype
 # saves the copy of a 1 MB halo but costs more than copying a 16 KB one (scripts/bench_halo.py).
 _IN_PLACE_RECEIVE_BYTES = 256 * 1024
 _NUMBER_KINDS = "biufc"  # bool, signed, unsigned, float, complex
-
-_CACHES = weakref.WeakKeyDictionary()  # manager -> halo_exchange's plans, least recently used first
-_LIVE = weakref.WeakSet()  # every plan not yet freed, so a closing manager frees its own
-_WATCHED = weakref.WeakSet()  # managers whose close() frees their plans
 
 
 def _describe(x, halo_width, dim, periodic):
@@ -116,26 +107,6 @@ def _check_extents(comm, mine):
         )
 
 
-def _choose_transport(x):
-    if not devices.is_device_array(x):
-        return "host"
-    return "packed" if devices.cuda_aware_decision().enabled else "staged"
-
-
-def _zero(view):
-    if devices.array_kind(view) == "torch":
-        view.zero_()
-    else:
-        view[...] = 0
-
-
-def _add_into(view, update):
-    if devices.array_kind(view) == "torch":
-        view.add_(update)
-    else:
-        view += update
-
-
 class HaloPlan:
     """Exchange the halo rows of one kind of padded array, again and again.
 
@@ -150,7 +121,9 @@ class HaloPlan:
     :meth:`exchange`, :meth:`start`, :meth:`wait`, :meth:`pad` and
     :meth:`adjoint` are collective too: all ranks of the group call them in the
     same order. Free the plan with :meth:`free` or a ``with`` block; closing
-    the manager frees it as well.
+    the manager frees it as well. ``plan.layout`` (a
+    :class:`~mpidomain.halo_layout.HaloLayout`) says which rows go where;
+    ``plan.transport`` how they reach MPI.
 
     :param x: This rank's unpadded shard, or any array of its shape, dtype and device.
     :param halo_width: Ghost rows on each side.
@@ -162,11 +135,9 @@ class HaloPlan:
     def __init__(self, x, halo_width, dim=None, *, periodic=False, manager=None):
         manager = require_manager(manager, "halo exchange")
         comm = library_comm(manager)
-        if dim is None:
-            dim = manager.shard_dim
         mine, error = None, None
         try:
-            mine = _describe(x, halo_width, dim, periodic)
+            mine = _describe(x, halo_width, manager.shard_dim if dim is None else dim, periodic)
         except (TypeError, ValueError) as exc:
             error = exc
         _agree_inputs(comm, "HaloPlan", mine, error)
@@ -176,119 +147,42 @@ class HaloPlan:
         self.kind = devices.array_kind(x)
         self.dtype = x.dtype
         self.shape = tuple(int(n) for n in x.shape)
-        self.dim = mine["dim"]
-        self.halo_width = h = mine["halo_width"]
-        self.periodic = mine["periodic"]
-        n = self.shape[self.dim]
-        self.padded_shape = self.shape[:self.dim] + (n + 2 * h,) + self.shape[self.dim + 1:]
-        self.transport = _choose_transport(x)
-        self._device = devices.is_device_array(x)
-        self._numpy_dtype = devices.numpy_dtype(x)
-        self._like = devices.empty((0,), like=x)  # allocates padded arrays and buffers of x's kind
-
-        size, rank = comm.Get_size(), comm.Get_rank()
+        self.dim, self.halo_width, self.periodic = mine["dim"], mine["halo_width"], mine["periodic"]
         # Along a dimension the group does not shard, every rank holds all of it: pad locally.
         self.sharded = _is_sharded(manager, self.dim, len(self.shape))
-        if not self.sharded:
-            size, rank = 1, 0
-        prev_rank = rank - 1 if rank > 0 else (size - 1 if self.periodic else None)
-        next_rank = rank + 1 if rank < size - 1 else (0 if self.periodic else None)
-        self.neighbors = (prev_rank, next_rank)  # ranks of manager.domain_comm
-        self.tag = to_next = allocate_tags(manager, 2)  # the same on every rank: names the plan
-        to_prev = to_next + 1
-
-        top, first, last, bottom = self._rows(0, h), self._rows(h, 2 * h), self._rows(n, n + h), self._rows(n + h, n + 2 * h)
-        self._interior = self._rows(h, n + h)
-        self._sends, self._recvs, self._copies, self._zeros = [], [], [], []
-        if h and int(np.prod(self.padded_shape)):
-            if size == 1 and self.periodic:
-                self._copies = [(last, top), (first, bottom)]  # (source rows, ghost rows)
-            else:
-                if prev_rank is None:
-                    self._zeros.append(top)
-                else:
-                    self._sends.append((prev_rank, to_prev, first))
-                    self._recvs.append((prev_rank, to_next, top))
-                if next_rank is None:
-                    self._zeros.append(bottom)
-                else:
-                    self._sends.append((next_rank, to_next, last))
-                    self._recvs.append((next_rank, to_prev, bottom))
-
-        MPI = mpi()
+        size, rank = (comm.Get_size(), comm.Get_rank()) if self.sharded else (1, 0)
+        # Two tags, the same on every rank: they name the plan (halo_exchange's cache agrees on them).
+        self.layout = layout = HaloLayout(self.shape, self.dim, self.halo_width, self.periodic, size, rank,
+                                          allocate_tags(manager, 2))
+        self.tag, self.padded_shape, self.neighbors = layout.tag, layout.padded_shape, layout.neighbors
+        self.transport = transport.transport_for(x)
         self._comm = comm  # the manager's private duplicate: no user message can match a halo
+        self._device = devices.is_device_array(x)
+        self._like = devices.empty((0,), like=x)  # allocates padded arrays of x's kind and device
         self._in_flight = None
         self._freed = False
-        self._send_rows = [rows for _, _, rows in self._sends]
-        self._recv_rows = [rows for _, _, rows in self._recvs]
-        self._send_rows_of_shard = [self._shifted(rows) for rows in self._send_rows]
+        self._interior = layout.interior
+        self._sends, self._receives = layout.sends, layout.receives
+        self._zeros, self._copies = layout.zeros, layout.copies
+        self._send_rows_of_shard = [layout.shard_rows(m.rows) for m in self._sends]
         # Halos leave from contiguous buffers. Large host halos arrive straight in the padded
         # array through subarray datatypes (persistent receives bound to its address, rebound
         # when another array comes); the others arrive in contiguous buffers too.
-        halo_bytes = int(np.prod(self._halo_shape())) * self._numpy_dtype.itemsize
-        self._receive_in_place = self.transport == "host" and halo_bytes >= _IN_PLACE_RECEIVE_BYTES
-        self._send_buffers = [self._buffer(x) for _ in self._sends]
-        self._send_requests = [self._comm.Send_init(self._mpi_message(MPI, buffer), dest=peer, tag=tag)
-                               for (peer, tag, _), buffer in zip(self._sends, self._send_buffers)]
-        self._recv_buffers = [self._buffer(x) for _ in self._recvs]
-        self._recv_types = [self._subarray(MPI, rows) for rows in self._recv_rows] if self._receive_in_place else []
+        self._numpy_dtype = dtype = devices.numpy_dtype(x)
+        halo_bytes = int(np.prod(layout.halo_shape)) * dtype.itemsize
+        self._receive_in_place = self.transport.name == "host" and halo_bytes >= _IN_PLACE_RECEIVE_BYTES
+        self._send_buffers = [self.transport.buffer(layout.halo_shape, dtype, x) for _ in self._sends]
+        self._recv_buffers = [self.transport.buffer(layout.halo_shape, dtype, x) for _ in self._receives]
+        self._send_requests = [comm.Send_init(_message(buffer), dest=m.peer, tag=m.tag)
+                               for m, buffer in zip(self._sends, self._send_buffers)]
+        self._recv_types = [_subarray(layout, dtype.itemsize, m.rows) for m in self._receives] \
+            if self._receive_in_place else []
         self._bound_address = None
         self._recv_requests = [] if self._receive_in_place else [
-            self._comm.Recv_init(self._mpi_message(MPI, buffer), source=peer, tag=tag)
-            for (peer, tag, _), buffer in zip(self._recvs, self._recv_buffers)]
+            comm.Recv_init(_message(buffer), source=m.peer, tag=m.tag)
+            for m, buffer in zip(self._receives, self._recv_buffers)]
         self._requests = self._recv_requests + self._send_requests
-        _LIVE.add(self)
-        if manager not in _WATCHED:
-            _WATCHED.add(manager)
-            manager._add_close_callback(_release_plans_of)
-
-    # -- layout -------------------------------------------------------------
-    def _rows(self, start, stop):
-        return (slice(None),) * self.dim + (slice(start, stop),)
-
-    def _halo_shape(self):
-        return self.shape[:self.dim] + (self.halo_width,) + self.shape[self.dim + 1:]
-
-    def _subarray(self, MPI, rows):
-        """The committed datatype of ``rows`` (a slice along ``dim``) of a C-contiguous padded array."""
-        outer = int(np.prod(self.padded_shape[:self.dim]))
-        inner = int(np.prod(self.padded_shape[self.dim + 1:])) * self._numpy_dtype.itemsize
-        sizes = [outer, self.padded_shape[self.dim], inner]
-        start = rows[-1].start
-        return MPI.BYTE.Create_subarray(sizes, [outer, self.halo_width, inner], [0, start, 0]).Commit()
-
-    def _bind_receives(self, view):
-        """Point the persistent receives at C-contiguous host array ``view`` (a no-op if they do).
-
-        Only the address is kept: a request is started only while an array of the
-        plan's padded shape lives there, so it never writes to memory the program freed.
-        """
-        address = view.ctypes.data
-        if address == self._bound_address:
-            return
-        for request in self._recv_requests:
-            request.Free()
-        memory = mpi().buffer.fromaddress(address, view.nbytes)  # holds no reference to the array
-        self._recv_requests = [self._comm.Recv_init([memory, 1, datatype], source=peer, tag=tag)
-                               for (peer, tag, _), datatype in zip(self._recvs, self._recv_types)]
-        self._requests = self._recv_requests + self._send_requests
-        self._bound_address = address
-
-    def _buffer(self, like):
-        """A contiguous buffer for one halo: NumPy on the host, pinned host memory or device memory."""
-        if self.transport == "host":
-            return np.empty(self._halo_shape(), self._numpy_dtype)
-        if self.transport == "staged":
-            return devices.pinned_empty(self._halo_shape(), self._numpy_dtype, like=like)
-        return devices.empty(self._halo_shape(), like=like)
-
-    def _mpi_message(self, MPI, buffer):
-        return [devices.mpi_buffer(devices.byte_view(buffer)), MPI.BYTE]
-
-    def _shifted(self, rows):
-        """Rows of the padded array, as rows of the unpadded shard."""
-        span = rows[-1]
-        return self._rows(span.start - self.halo_width, span.stop - self.halo_width)
+        plan_cache.register(self)
 
     def interior(self, padded):
         """Return the view of ``padded``'s local rows (everything but the ghost rows)."""
@@ -299,6 +193,12 @@ class HaloPlan:
         if self._freed:
             self._check_usable()
         return devices.empty(self.padded_shape, like=self._like)
+
+    def _new_padded(self):
+        """A new padded array; on the host NumPy allocates it for both kinds (freed memory is reused at once)."""
+        if self.transport.name != "host":
+            return devices.empty(self.padded_shape, like=self._like)
+        return devices.from_numpy(np.empty(self.padded_shape, self._numpy_dtype), like=self._like)
 
     # -- checks -------------------------------------------------------------
     def _check_usable(self):
@@ -316,44 +216,54 @@ class HaloPlan:
             )
         if kind != "numpy" and devices.is_device_array(array) != self._device:
             raise ValueError(f"{what} is on another device than the plan's; build a plan for it")
-        if what != "x" and kind == "torch" and (array.is_conj() or array.is_neg()):
-            raise ValueError(f"{what} is a lazily conjugated or negated view, which cannot be written in place; "
-                             "pass a plain tensor (e.g. plan.empty())")
-
-    def _working(self, array):
-        """The array the transfers touch: a NumPy view of host memory, the device array itself."""
-        return devices.mpi_buffer(array) if self.transport == "host" else (
-            array.detach() if self.kind == "torch" else array)
+        if what in ("padded", "out"):
+            if kind == "torch" and (array.is_conj() or array.is_neg()):
+                raise ValueError(f"{what} is a lazily conjugated or negated view, which cannot be written in place; "
+                                 "pass a plain tensor (e.g. plan.empty())")
+            if self._receive_in_place and self._receives and not devices.mpi_buffer(array).flags.c_contiguous:
+                raise ValueError(f"{what} must be C-contiguous for this plan; plan.empty() makes one")
 
     # -- moving halos ---------------------------------------------------------
-    def _fill_local(self, array):
-        """Zero the ghost rows at the domain's outer edges; copy the wrapped rows when D=1 and periodic."""
+    def _begin(self, source, rows, working):
+        """Pack ``rows`` of ``source`` and start the transfers that fill ``working``'s ghost rows."""
+        for region, buffer in zip(rows, self._send_buffers):
+            self.transport.pack(source[region], buffer)
+        self.transport.synchronize(source)  # MPI must read finished data
+        if self._receive_in_place and self._receives:
+            self._bind_receives(working)
+        if self._requests:
+            mpi().Prequest.Startall(self._requests)
+
+    def _finish(self, working):
+        """Wait for the transfers; fill ``working``'s ghost rows that are not messages or did not arrive in place."""
+        if self._requests:
+            mpi().Request.Waitall(self._requests)
         for rows in self._zeros:
-            _zero(array[rows])
+            working[rows] = 0
         for source, ghost in self._copies:
-            devices.assign(array[ghost], array[source])
+            working[ghost] = working[source]
+        if not self._receive_in_place:
+            for m, buffer in zip(self._receives, self._recv_buffers):
+                self.transport.unpack(buffer, working[m.rows])
+            self.transport.after_unpack(working)  # the next exchange reuses the staging buffers
 
-    def _pack(self, array, regions, buffers):
-        """Copy ``regions`` of ``array`` into contiguous ``buffers``, ready for MPI."""
-        for rows, buffer in zip(regions, buffers):
-            if self.transport == "staged":
-                devices.copy_to_host(array[rows], buffer)
-            else:
-                devices.assign(buffer, array[rows])
-        if self._device:
-            devices.synchronize(array)  # MPI must read finished data
+    def _bind_receives(self, view):
+        """Point the persistent receives at C-contiguous host array ``view`` (a no-op if they do; checked by _check_array).
 
-    def _unpack(self, buffers, array, regions):
-        """Copy contiguous ``buffers`` into ``regions`` of ``array``."""
-        for buffer, rows in zip(buffers, regions):
-            if self.transport == "staged":
-                devices.copy_to_device(buffer, array[rows])
-            else:
-                devices.assign(array[rows], buffer)
-        if self.transport == "staged":
-            devices.synchronize(array)  # the next exchange reuses the pinned buffers
+        Only the address is kept: a request is started only while an array of the
+        plan's padded shape lives there, so it never writes to memory the program freed.
+        """
+        address = view.ctypes.data
+        if address == self._bound_address:
+            return
+        for request in self._recv_requests:
+            request.Free()
+        memory = mpi().buffer.fromaddress(address, view.nbytes)  # holds no reference to the array
+        self._recv_requests = [self._comm.Recv_init([memory, 1, datatype], source=m.peer, tag=m.tag)
+                               for m, datatype in zip(self._receives, self._recv_types)]
+        self._requests = self._recv_requests + self._send_requests
+        self._bound_address = address
 
-    # -- the forward exchange -------------------------------------------------
     def start(self, padded):
         """Start refreshing ``padded``'s ghost rows in place; return at once.
 
@@ -363,20 +273,8 @@ class HaloPlan:
         """
         self._check_usable()
         self._check_array(padded, self.padded_shape, "padded")
-        working = self._working(padded)
-        if self.transport == "host":
-            self._fill_local_host(working)
-            for rows, buffer in zip(self._send_rows, self._send_buffers):
-                np.copyto(buffer, working[rows])
-            if self._receive_in_place and self._recvs:
-                if not working.flags.c_contiguous:
-                    raise ValueError("padded must be C-contiguous for this plan; plan.empty() makes one")
-                self._bind_receives(working)
-        else:
-            self._fill_local(working)
-            self._pack(working, self._send_rows, self._send_buffers)
-        if self._requests:
-            mpi().Prequest.Startall(self._requests)
+        working = self.transport.view(padded)
+        self._begin(working, [m.rows for m in self._sends], working)
         self._in_flight = (padded, working)
 
     def wait(self):
@@ -384,10 +282,7 @@ class HaloPlan:
         if self._in_flight is None:
             raise RuntimeError("wait() without start(); call plan.start(padded) first")
         (padded, working), self._in_flight = self._in_flight, None
-        if self._requests:
-            mpi().Request.Waitall(self._requests)
-        if not self._receive_in_place:
-            self._unpack(self._recv_buffers, working, self._recv_rows)
+        self._finish(working)
         return padded
 
     def exchange(self, padded):
@@ -403,58 +298,19 @@ class HaloPlan:
         """Return ``x`` with ghost rows on both sides along ``dim``, in ``out`` or a new array.
 
         Collective over the domain group: every rank passes its shard. The
-        halos travel first, then ``x`` is copied into the interior once.
+        halos travel while ``x`` is copied into the interior (once).
         """
         self._check_usable()
         self._check_array(x, self.shape, "x")
-        if out is not None:
-            self._check_array(out, self.padded_shape, "out")
-        if self.transport == "host":
-            return self._pad_host(x, out)
         if out is None:
-            out = devices.empty(self.padded_shape, like=x)
-        source, working = self._working(x), self._working(out)
-        self._pack(source, self._send_rows_of_shard, self._send_buffers)
-        if self._requests:
-            MPI = mpi()
-            MPI.Prequest.Startall(self._requests)
-            MPI.Request.Waitall(self._requests)
-        devices.assign(working[self._interior], source)
-        self._fill_local(working)
-        self._unpack(self._recv_buffers, working, self._recv_rows)
-        return out
-
-    def _pad_host(self, x, out):
-        """:meth:`pad` on the host, in NumPy operations only (the hot path)."""
-        source = x if self.kind == "numpy" else devices.mpi_buffer(x)
-        if out is None:
-            padded = np.empty(self.padded_shape, self._numpy_dtype)
-            out = padded if self.kind == "numpy" else devices.from_numpy(padded, like=self._like)
+            out = self._new_padded()
         else:
-            padded = devices.mpi_buffer(out)
-        for rows, buffer in zip(self._send_rows_of_shard, self._send_buffers):
-            np.copyto(buffer, source[rows])
-        if self._requests:
-            if self._receive_in_place:
-                if not padded.flags.c_contiguous:
-                    raise ValueError("out must be C-contiguous for this plan; plan.empty() makes one")
-                self._bind_receives(padded)
-            MPI = mpi()
-            MPI.Prequest.Startall(self._requests)
-            MPI.Request.Waitall(self._requests)
-        padded[self._interior] = source
-        self._fill_local_host(padded)
-        if not self._receive_in_place:
-            for buffer, rows in zip(self._recv_buffers, self._recv_rows):
-                padded[rows] = buffer
+            self._check_array(out, self.padded_shape, "out")
+        source, working = self.transport.view(x), self.transport.view(out)
+        self._begin(source, self._send_rows_of_shard, working)
+        working[self._interior] = source
+        self._finish(working)
         return out
-
-    def _fill_local_host(self, padded):
-        """:meth:`_fill_local` for a NumPy array."""
-        for rows in self._zeros:
-            padded[rows] = 0
-        for rows, ghost in self._copies:
-            padded[ghost] = padded[rows]
 
     # -- the adjoint (backward) ---------------------------------------------------
     def adjoint(self, grad):
@@ -471,27 +327,26 @@ class HaloPlan:
             grad = grad.detach()
         out = devices.empty(self.shape, like=grad)
         devices.assign(out, grad[self._interior])
+        shard_rows = self.layout.shard_rows
         for source, ghost in self._copies:
-            _add_into(out[self._shifted(source)], grad[ghost])
+            devices.add_into(out[shard_rows(source)], grad[ghost])
         if not self._requests:
             return out
         # Each forward message in reverse, same tag: the ghost rows' gradients (packed into
         # the forward receive buffers) go back to their owners, arriving in the send buffers.
+        working = self.transport.view(grad)
+        for m, buffer in zip(self._receives, self._recv_buffers):
+            self.transport.pack(working[m.rows], buffer)
+        self.transport.synchronize(grad)
         MPI = mpi()
-        self._pack(self._working(grad), self._recv_rows, self._recv_buffers)
-        requests = [self._comm.Irecv(self._mpi_message(MPI, buffer), source=peer, tag=tag)
-                    for (peer, tag, _), buffer in zip(self._sends, self._send_buffers)]
-        requests += [self._comm.Isend(self._mpi_message(MPI, buffer), dest=peer, tag=tag)
-                     for (peer, tag, _), buffer in zip(self._recvs, self._recv_buffers)]
+        requests = [self._comm.Irecv(_message(buffer), source=m.peer, tag=m.tag)
+                    for m, buffer in zip(self._sends, self._send_buffers)]
+        requests += [self._comm.Isend(_message(buffer), dest=m.peer, tag=m.tag)
+                     for m, buffer in zip(self._receives, self._recv_buffers)]
         MPI.Request.Waitall(requests)
-        for (_, _, rows), buffer in zip(self._sends, self._send_buffers):
-            if self.transport == "staged":
-                buffer = devices.copy_to_device(buffer, devices.empty(self._halo_shape(), like=grad))
-            elif self.transport == "host":
-                buffer = devices.from_numpy(buffer, like=grad)
-            _add_into(out[self._shifted(rows)], buffer)
-        if self._device:
-            devices.synchronize(grad)  # the next exchange reuses the buffers
+        for m, buffer in zip(self._sends, self._send_buffers):
+            self.transport.accumulate(buffer, out[shard_rows(m.rows)])
+        self.transport.synchronize(out)  # the next exchange reuses the buffers
         return out
 
     # -- lifetime -------------------------------------------------------------
@@ -523,7 +378,7 @@ class HaloPlan:
 
     def _release(self):
         self._freed = True
-        _LIVE.discard(self)
+        plan_cache.unregister(self)
         if is_active():
             for request in self._requests:
                 if request != mpi().REQUEST_NULL:
@@ -551,9 +406,24 @@ class HaloPlan:
         self.free()
 
     def __repr__(self):
-        state = "freed" if self._freed else f"neighbors={self.neighbors}, transport={self.transport}"
+        state = "freed" if self._freed else f"neighbors={self.neighbors}, transport={self.transport.name}"
         return (f"HaloPlan(shape={self.shape}, dtype={self.dtype}, halo_width={self.halo_width}, "
                 f"dim={self.dim}, periodic={self.periodic}, {state})")
+
+
+def _message(buffer):
+    """The MPI message of a contiguous buffer (host or device): its raw bytes."""
+    return [devices.mpi_buffer(devices.byte_view(buffer)), mpi().BYTE]
+
+
+def _subarray(layout, itemsize, rows):
+    """The committed datatype of ``rows`` (an index along ``layout.dim``) of a C-contiguous padded array."""
+    shape, dim = layout.padded_shape, layout.dim
+    outer = int(np.prod(shape[:dim]))
+    inner = int(np.prod(shape[dim + 1:])) * itemsize
+    start = rows[dim].start
+    return mpi().BYTE.Create_subarray([outer, shape[dim], inner], [outer, layout.halo_width, inner],
+                                      [0, start, 0]).Commit()
 
 
 def _is_sharded(manager, dim, ndim):
@@ -562,11 +432,16 @@ def _is_sharded(manager, dim, ndim):
     return -ndim <= shard_dim < ndim and dim == shard_dim % ndim
 
 
-def _release_plans_of(manager):
-    """Free every plan of ``manager`` (its close() calls this)."""
-    _CACHES.pop(manager, None)
-    for plan in [p for p in _LIVE if p.manager is manager]:
-        plan.free()
+def _quick_key(x, halo_width, dim, periodic, call):
+    """What ``x`` and the arguments are, as spelled, cheaply; None if that cannot be hashed."""
+    try:
+        device = x.device if not isinstance(x, np.ndarray) else None
+        key = (type(x), tuple(x.shape), x.dtype, device, type(halo_width), halo_width, type(dim), dim,
+               type(periodic), periodic, call)
+        hash(key)
+        return key
+    except Exception:  # not an array, or an unhashable argument: the full checks report it
+        return None
 
 
 def cached_plan(x, halo_width, dim=None, *, periodic=False, manager=None, call="pad"):
@@ -577,36 +452,40 @@ def cached_plan(x, halo_width, dim=None, *, periodic=False, manager=None, call="
     ``dim``) for the same ``call`` (``"pad"``, ``"pad+grad"``, ``"adjoint"``)
     and settles hit or miss for all ranks at once: if any rank misses, all
     build a new plan together. A disagreement raises on every rank, listing
-    what each rank had. Each manager keeps its own last 16 plans.
+    what each rank had. Each manager keeps its own last
+    :data:`~mpidomain.plan_cache.CACHE_SIZE` plans.
     """
     manager = require_manager(manager, "halo exchange")
     comm = library_comm(manager)
-    mine, error, key = None, None, None
-    try:
-        mine = _describe(x, halo_width, manager.shard_dim if dim is None else dim, periodic)
-        kind = devices.array_kind(x)
-        device = str(x.device) if kind == "torch" else x.device.id if kind == "cupy" else None
-        key = (tuple(mine.values()), device)  # this rank's plan; the call kind does not change it
-        mine["call"] = call
-    except (TypeError, ValueError) as exc:
-        error = exc
-    cache = _CACHES.setdefault(manager, OrderedDict())
-    plan = cache.get(key)
+    cache = plan_cache.cache_of(manager)
+    quick = _quick_key(x, halo_width, dim, periodic, call)
+    found = None if quick is None else cache.quick(quick)
+    if found is not None:  # arguments seen before: their checks passed then, and would again
+        key, plan, (signature, code) = found
+        error = None
+    else:
+        signature, error, key, code = None, None, None, None
+        try:
+            mine = _describe(x, halo_width, manager.shard_dim if dim is None else dim, periodic)
+            kind = devices.array_kind(x)
+            device = str(x.device) if kind == "torch" else x.device.id if kind == "cupy" else None
+            key = (tuple(mine.values()), device)  # this rank's plan; the call kind does not change it
+            signature = dict(_signature(mine), call=call)
+            code = agreement_code("halo_exchange", signature)
+        except (TypeError, ValueError) as exc:
+            error = exc
+        plan = None if key is None else cache.get(key)
     # A hit counts only if every rank hit the same plan, the one built together with the same tags:
     # after uneven shards, one rank's key can find a plan its neighbour has since replaced.
-    miss = _agree_inputs(comm, "halo_exchange", mine, error, flag=plan is None,
-                         token=-1 if plan is None else plan.tag)
-    if not miss:
-        cache.move_to_end(key)
-        return plan
-    del mine["call"]
-    plan = HaloPlan(x, halo_width, dim, periodic=periodic, manager=manager)
-    old = cache.pop(key, None)
-    if old is not None:
-        old.free()
-    cache[key] = plan
-    while len(cache) > _CACHE_SIZE:
-        cache.popitem(last=False)[1].free()
+    miss = agree(comm, "halo_exchange", signature, plan is None, error, _group_mismatch,
+                 -1 if plan is None else plan.tag, code)
+    if miss:
+        plan = HaloPlan(x, halo_width, dim, periodic=periodic, manager=manager)
+        cache.put(key, plan)
+    else:
+        cache.touch(key)
+    if found is None and quick is not None:
+        cache.remember(quick, key, (signature, code))
     return plan
 
 

@@ -248,14 +248,6 @@ class DomainParallelManager:
         index = self._domain_rank if index is None else index
         return list(range(index, self.world_size, self.domain_parallel_size))
 
-    def _add_close_callback(self, callback):
-        """Call ``callback(self)`` at :meth:`close`, before the communicators are freed.
-
-        For modules that keep MPI resources per manager (cached halo plans)
-        without the manager importing them.
-        """
-        self._close_callbacks.append(callback)
-
     def close(self):
         """Free the communicators and destroy the torch groups this manager created.
 
@@ -317,6 +309,17 @@ def library_comm(manager, group="domain"):
     if group == "world":
         return manager._comm
     return manager._private[group]
+
+
+def on_close(manager, callback):
+    """Call ``callback(manager)`` when ``manager`` closes, before its communicators are freed.
+
+    For modules that keep MPI resources per manager (halo plans) without the
+    manager importing them. Local.
+    """
+    if manager.closed:
+        raise RuntimeError(f"{manager!r} is closed; initialise a new manager")
+    manager._close_callbacks.append(callback)
 
 
 def allocate_tags(manager, count):

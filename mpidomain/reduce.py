@@ -8,7 +8,7 @@ Torch the reduction is differentiable.
 
 import numpy as np
 
-from . import devices
+from . import devices, transport
 from ._mpi import agree, mpi
 from .manager import get_domain_parallel_manager, library_comm
 
@@ -76,15 +76,9 @@ def reduce_array(x, op, comm):
     datatype = devices.mpi_datatype(work)
     MPI = mpi()
     operation = getattr(MPI, _MPI_OPS[op])
-    if devices.is_device_array(work) and not devices.cuda_aware_decision().enabled:
-        host = devices.pinned_empty(tuple(work.shape), devices.numpy_dtype(work), like=work)
-        devices.copy_to_host(work, host)
-        comm.Allreduce(MPI.IN_PLACE, [host, datatype], op=operation)
-        devices.copy_to_device(host, out)
-        devices.synchronize(out)
-    else:
-        devices.synchronize(work)
-        comm.Allreduce([devices.mpi_buffer(work), datatype], [devices.mpi_buffer(out), datatype], op=operation)
+    way = transport.transport_for(work)
+    with way.writable(out) as result:
+        comm.Allreduce([way.readable(work), datatype], [result, datatype], op=operation)
     if op == "mean":
         out /= comm.Get_size()
     return out if out.dtype == x.dtype else _cast(out, x)

@@ -17,7 +17,7 @@ import math
 
 import numpy as np
 
-from . import devices
+from . import devices, transport
 from ._mpi import agree, mpi
 from ._validate import normalize_dim, require_int, require_manager
 from .manager import get_domain_parallel_manager, library_comm
@@ -175,19 +175,6 @@ def _alltoallw(comm, sendbuf, send_types, recvbuf, recv_types):
     comm.Alltoallw([sendbuf, counts[0], zeros, types[0]], [recvbuf, counts[1], zeros, types[1]])
 
 
-def _staged(x):
-    """True if ``x`` is a device array that must go through host memory (MPI not CUDA-aware)."""
-    return devices.is_device_array(x) and not devices.cuda_aware_decision().enabled
-
-
-def _host_view(x):
-    """Return host memory MPI may read for ``x``: a view, or a pinned copy of a device array."""
-    if _staged(x):
-        return devices.copy_to_host(x, devices.pinned_empty(x.shape, devices.numpy_dtype(x), like=x))
-    devices.synchronize(x)
-    return devices.mpi_buffer(x)
-
-
 def _concatenate(blocks, dim, out=None):
     kind = devices.array_kind(blocks[0])
     if kind == "torch":
@@ -296,7 +283,8 @@ def gather_tensor(x, dim=-2, manager=None, *, out=None):
     offsets = list(itertools.accumulate([0] + counts[:-1]))
     full_shape = tuple(x.shape[:dim]) + (sum(counts),) + tuple(x.shape[dim + 1:])
     x = devices.contiguous(x.detach() if devices.array_kind(x) == "torch" else x)
-    if out is None and not (devices.is_device_array(x) and not _staged(x)):
+    way = transport.transport_for(x)
+    if out is None and way.name != "direct":
         out = devices.empty(full_shape, like=x)
     itemsize = devices.numpy_dtype(x).itemsize
     outer, row_elements = math.prod(x.shape[:dim]), math.prod(x.shape[dim + 1:])
@@ -306,21 +294,18 @@ def gather_tensor(x, dim=-2, manager=None, *, out=None):
     send = _row_type(row_bytes, outer * counts[rank]) if counts[rank] else None
     send_types = [send if r != rank else None for r in range(len(counts))]
     try:
-        if devices.is_device_array(x) and not _staged(x):
+        if way.name == "direct":
             return _gather_device(comm, x, dim, counts, offsets, outer, row_elements, send_types, out)
-        host_out = devices.pinned_empty(full_shape, devices.numpy_dtype(x), like=x) if _staged(out) else devices.mpi_buffer(out)
-        host_x = _host_view(x)
+        host_x = way.readable(x)
         recv_types = _placed_types(outer, row_bytes, counts, offsets, full_shape[dim])
         _free([recv_types[rank]])  # this rank's own rows are copied, not received
         recv_types[rank] = None
         try:
-            _alltoallw(comm, host_x, send_types, host_out, recv_types)
+            with transport.transport_for(out).writable(out) as host_out:
+                _alltoallw(comm, host_x, send_types, host_out, recv_types)
+                host_out[_rows(dim, offsets[rank], offsets[rank] + counts[rank])] = host_x
         finally:
             _free(recv_types)
-        host_out[_rows(dim, offsets[rank], offsets[rank] + counts[rank])] = host_x
-        if _staged(out):
-            devices.copy_to_device(host_out, out)
-            devices.synchronize(out)
         return out
     finally:
         _free([send])
@@ -345,9 +330,8 @@ def _gather_device(comm, x, dim, counts, offsets, outer, row_elements, send_type
         block = MPI.BYTE.Create_contiguous(size * itemsize)
         recv_types.append(MPI.Datatype.Create_struct([1], [start * itemsize], [block]).Commit())
         block.Free()
-    devices.synchronize(x)
     try:
-        _alltoallw(comm, devices.mpi_buffer(x), send_types, devices.mpi_buffer(staging), recv_types)
+        _alltoallw(comm, transport.transport_for(x).readable(x), send_types, devices.mpi_buffer(staging), recv_types)
     finally:
         _free(recv_types)
     blocks = []
@@ -429,14 +413,8 @@ def scatter_tensor(x, dim=-2, root=0, manager=None, *, out=None):
         out = devices.empty(shape[:dim] + (counts[rank],) + shape[dim + 1:], spec)
     if outer * row_bytes * counts[rank] == 0:
         return out
-    MPI = mpi()
-    if _staged(out):
-        host = devices.pinned_empty(out.shape, devices.numpy_dtype(out), like=out)
-        comm.Recv([host, MPI.BYTE], source=root, tag=_SCATTER_TAG)
-        devices.copy_to_device(host, out)
-        devices.synchronize(out)
-    else:
-        comm.Recv([devices.mpi_buffer(out), MPI.BYTE], source=root, tag=_SCATTER_TAG)
+    with transport.transport_for(out).writable(out) as memory:
+        comm.Recv([memory, mpi().BYTE], source=root, tag=_SCATTER_TAG)
     return out
 
 
@@ -449,14 +427,15 @@ def _scatter_send(comm, x, dim, counts, offsets, outer, row_bytes):
     MPI = mpi()
     rank = comm.Get_rank()
     others = [r for r in range(comm.Get_size()) if r != rank and counts[r]]
-    if devices.is_device_array(x) and not _staged(x):
+    way = transport.transport_for(x)
+    if way.name == "direct":
         # CUDA-aware: pack each shard on the device; strided datatypes on device memory are slow.
         chunks = [_copy_rows(x, dim, offsets[r], counts[r]) for r in others]
-        devices.synchronize(x)
+        way.synchronize(x)
         requests = [comm.Isend([devices.mpi_buffer(c), MPI.BYTE], dest=r, tag=_SCATTER_TAG) for r, c in zip(others, chunks)]
         MPI.Request.Waitall(requests)
         return
-    source = _host_view(devices.contiguous(x))
+    source = way.readable(devices.contiguous(x))
     types = _placed_types(outer, row_bytes, counts, offsets, sum(counts))
     try:
         requests = [comm.Isend([source, 1, types[r]], dest=r, tag=_SCATTER_TAG) for r in others]

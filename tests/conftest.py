@@ -93,15 +93,15 @@ def torch_world():
         dist.destroy_process_group()
 
 
-@pytest.fixture(params=["staged", "cuda-aware"])
+@pytest.fixture(params=["staged", "direct"])
 def fake_device_path(request, monkeypatch):
-    """Send host arrays down the device code paths: staged through host buffers, or to a "CUDA-aware" MPI.
+    """Send host arrays down the device code paths: staged through host buffers, or direct to a "CUDA-aware" MPI.
 
-    The GPU machines run the same paths on real device memory.
+    The one seam is :func:`mpidomain.transport.transport_for`; the GPU machines run the same
+    paths on real device memory. Returns the transport's name.
     """
-    from mpidomain import devices
+    from mpidomain import transport
 
-    monkeypatch.setattr(devices, "is_device_array", lambda x: True)
-    monkeypatch.setattr(devices, "cuda_aware_decision",
-                        lambda refresh=False: devices.CudaAwareDecision(request.param == "cuda-aware", "test"))
+    chosen = transport.Transport(request.param)
+    monkeypatch.setattr(transport, "transport_for", lambda x: chosen)
     return request.param

@@ -13,7 +13,7 @@ import pytest
 from mpi4py import MPI
 
 import mpidomain
-from mpidomain import DomainParallelManager, HaloPlan, halo, halo_exchange
+from mpidomain import DomainParallelManager, HaloPlan, halo, halo_exchange, plan_cache
 from mpitest import divisors
 
 # (shape with N marking the sharded extent, dim)
@@ -140,9 +140,8 @@ def test_uneven_era5_latitudes(world):
 
 
 def test_device_transports_on_host(world, fake_device_path):
-    """The packed and staged paths (used for GPU memory) give the host path's results."""
+    """The direct and staged paths (used for GPU memory) give the host path's results."""
     torch = pytest.importorskip("torch")
-    transport = {"staged": "staged", "cuda-aware": "packed"}[fake_device_path]
     template, dim = LAYOUTS["5d-dim3"]
     for d in divisors(world.size):
         for h, periodic, uneven in ((1, False, True), (3, True, False), (2, True, True)):
@@ -152,7 +151,7 @@ def test_device_transports_on_host(world, fake_device_path):
                     out = halo_exchange(x, h, dim, periodic=periodic, manager=manager)
                     assert np.array_equal(to_numpy(out), expected)
                     with HaloPlan(x, h, dim, periodic=periodic, manager=manager) as plan:
-                        assert plan.transport == transport
+                        assert plan.transport.name == fake_device_path
                         padded = plan.pad(x)
                         plan.interior(padded)[...] = x
                         assert np.array_equal(to_numpy(plan.exchange(padded)), expected)
@@ -201,14 +200,14 @@ def test_cache_is_bounded_and_frees_evicted_plans(world):
     with DomainParallelManager(world.size, world.size) as manager:
         x = np.zeros((2, 4, 3), np.float32)
         halo_exchange(x, 1, 1, manager=manager)
-        first, = halo._CACHES[manager].values()
+        first, = plan_cache.cached_plans(manager)
         halo_exchange(x, 1, -2, manager=manager)  # the same axis spelled differently: a hit
-        assert list(halo._CACHES[manager].values()) == [first]  # a hit, not a new plan
-        for width in range(2, 2 + halo._CACHE_SIZE):
+        assert plan_cache.cached_plans(manager) == [first]  # a hit, not a new plan
+        for width in range(2, 2 + plan_cache.CACHE_SIZE):
             halo_exchange(np.zeros((2, 20, 3), np.float32), width, 1, manager=manager)
-        assert len(halo._CACHES[manager]) == halo._CACHE_SIZE
+        assert len(plan_cache.cached_plans(manager)) == plan_cache.CACHE_SIZE
         assert first.freed and first.live_handles() == {"requests": 0, "datatypes": 0}
-    assert manager not in halo._CACHES
+    assert plan_cache.cached_plans(manager) == []
 
 
 def test_manager_close_frees_plans(world):
@@ -258,7 +257,7 @@ def test_ten_thousand_exchanges_leak_nothing(world, monkeypatch):
         expected = reference(x, 1, 1, True, 0, 4) if world.size == 1 else None
         if expected is not None:
             assert np.array_equal(padded, expected)
-        cached = list(halo._CACHES[manager].values())
+        cached = plan_cache.cached_plans(manager)
         handles = [*plan._requests, *plan._recv_types]
         for p in cached:
             handles += [*p._requests, *p._recv_types]
@@ -294,13 +293,6 @@ def test_pad_reuses_memory_only_once_dropped(world, monkeypatch, kind, receive):
         fourth = halo_exchange(x, 1, 1, periodic=True, manager=manager)  # dropped: its memory comes back
         assert to_numpy(fourth).__array_interface__["data"][0] == third_address
         assert np.array_equal(to_numpy(fourth), expected)
-
-
-@pytest.mark.parametrize("aware, transport", [(True, "packed"), (False, "staged")])
-def test_device_arrays_choose_by_cuda_awareness(monkeypatch, aware, transport):
-    monkeypatch.setattr(halo.devices, "is_device_array", lambda x: True)
-    monkeypatch.setattr(halo.devices, "cuda_aware_decision", lambda: halo.devices.CudaAwareDecision(aware, "test"))
-    assert halo._choose_transport(np.zeros(3)) == transport
 
 
 def _gpu_arrays():
@@ -342,7 +334,7 @@ def test_gpu_arrays_match_the_reference(world, monkeypatch, aware):
                     host = out.get() if hasattr(out, "get") else out.cpu().numpy()
                     assert np.array_equal(host, expected)
                     with HaloPlan(x, h, -2, periodic=periodic, manager=manager) as plan:
-                        assert plan.transport == ("packed" if aware == "1" else "staged")
+                        assert plan.transport.name == ("direct" if aware == "1" else "staged")
                         assert np.array_equal(halo.devices.copy_to_host(plan.exchange(out), np.empty(expected.shape, expected.dtype)), expected)
     finally:
         monkeypatch.delenv("MPIDOMAIN_CUDA_AWARE")

@@ -15,7 +15,8 @@ from mpi4py import MPI
 
 import mpidomain
 import mpidomain.nn
-from mpidomain import DomainParallelManager, allreduce, gather_tensor, halo, halo_exchange, scatter_tensor, sharding
+from mpidomain import (DomainParallelManager, allreduce, gather_tensor, halo, halo_exchange, plan_cache,
+                       scatter_tensor, sharding)
 from mpitest import run_mpi
 
 torch = pytest.importorskip("torch")
@@ -62,18 +63,18 @@ def test_2_dim_spellings_share_one_plan(manager, world):
     for call in range(3):
         spelling = [None, 2, -2][(world.rank + call) % 3]
         assert np.array_equal(halo_exchange(shard, 1, dim=spelling, manager=manager), expected)
-    assert len(halo._CACHES[manager]) == 1
+    assert len(plan_cache.cached_plans(manager)) == 1
 
 
 def test_3_another_managers_work_evicts_nothing_here(manager, world):
     shard = np.ones((2, 3, 4, 5))
     halo_exchange(shard, 1, manager=manager)
-    mine = dict(halo._CACHES[manager])
+    mine = plan_cache.cached_plans(manager)
     with DomainParallelManager(1, 1, comm=MPI.COMM_SELF) as alone:
         if world.rank == 0:  # one rank fills and churns its own cache
             for n in range(1, 40):
                 halo_exchange(np.ones((2, n)), 1, dim=0, manager=alone)
-    assert dict(halo._CACHES[manager]) == mine
+    assert plan_cache.cached_plans(manager) == mine
     padded = halo_exchange(shard, 1, manager=manager)
     assert padded.shape == (2, 3, 6, 5)
 

@@ -9,7 +9,7 @@ pinned host buffer; half-precision gradients are reduced in float32.
 
 import torch
 
-from .. import devices
+from .. import devices, transport
 from .._mpi import _ranges, agree, mpi
 from ..reduce import group_communicator
 
@@ -135,17 +135,12 @@ def _reduce_bucket(grads, op, comm, staging):
         piece.copy_(grad.reshape(-1))
     MPI = mpi()
     datatype = devices.mpi_datatype(flat)
-    if devices.is_device_array(flat) and not devices.cuda_aware_decision().enabled:
-        size = flat.numel() * flat.element_size()
-        if staging is None or staging.nbytes < size or staging.dtype != devices.numpy_dtype(flat):
-            staging = devices.pinned_empty((flat.numel(),), devices.numpy_dtype(flat), like=flat)
-        host = staging[:flat.numel()]
-        devices.copy_to_host(flat, host)
-        comm.Allreduce(MPI.IN_PLACE, [host, datatype], op=MPI.SUM)
-        devices.copy_to_device(host, flat)
-    else:
-        devices.synchronize(flat)
-        comm.Allreduce(MPI.IN_PLACE, [devices.mpi_buffer(flat), datatype], op=MPI.SUM)
+    way = transport.transport_for(flat)
+    if way.name == "staged" and (staging is None or staging.size < flat.numel()
+                                 or staging.dtype != devices.numpy_dtype(flat)):
+        staging = way.staging(flat)  # kept for the next bucket: pinned memory is slow to allocate
+    with way.in_place(flat, None if staging is None else staging[:flat.numel()]) as memory:
+        comm.Allreduce(MPI.IN_PLACE, [memory, datatype], op=MPI.SUM)
     if op == "mean":
         flat /= comm.Get_size()
     for piece, grad in zip(flat.split(numels), grads):
