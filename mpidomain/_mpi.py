@@ -93,15 +93,65 @@ def agrees_and_any(comm, value, flag, token=0, code=None):
     cheap enough for every call of a hot path. ``code``, if given, is
     ``digest(value)`` computed earlier.
     """
-    code = digest(value) if code is None else code
-    values = np.array([code, -code, int(bool(flag)), token, -token], dtype=np.int64)
+    values = _agreement_values(value, flag, token, code)
     comm.Allreduce(mpi().IN_PLACE, values, op=mpi().MAX)
+    return _agreement_result(values)
+
+
+def _agreement_values(value, flag, token, code):
+    code = digest(value) if code is None else code
+    return np.array([code, -code, int(bool(flag)), token, -token], dtype=np.int64)
+
+
+def _agreement_result(values):
     return int(values[0]) == -int(values[1]), bool(values[2]) or int(values[3]) != -int(values[4])
 
 
 def agreement_code(call, description):
     """Return the digest :func:`agree` compares for ``call`` with ``description`` and no local error."""
     return digest((call, description, None))
+
+
+class Agreement:
+    """:func:`agree` in two halves: started here (non-blocking), settled by :meth:`result`.
+
+    Collective like :func:`agree`, with the same arguments; local work may
+    run between the halves, overlapping the agreement's latency.
+    """
+
+    def __init__(self, comm, call, description, flag=False, error=None, mismatch=None, token=0, code=None):
+        self._comm, self._call, self._description = comm, call, description
+        self._error, self._mismatch = error, mismatch
+        local = None if error is None else f"{type(error).__name__}: {error}"
+        self._values = _agreement_values((call, description, local), flag, token,
+                                         code if error is None else None)
+        self._request = comm.Iallreduce(mpi().IN_PLACE, self._values, op=mpi().MAX)
+
+    def result(self):
+        """Wait for the agreement; return the flag set on any rank (or tokens unequal), or raise on every rank."""
+        self._request.Wait()
+        same, any_flag = _agreement_result(self._values)
+        comm, call, description, error = self._comm, self._call, self._description, self._error
+        if same:
+            if error is not None:
+                raise error
+            return any_flag
+        everyone = comm.allgather((call, description, error is not None))
+        calls = [c for c, _, _ in everyone]
+        if len(set(calls)) > 1:
+            listing = ", ".join(f"rank {r}: {c}" for r, c in enumerate(calls))
+            raise RuntimeError(
+                f"the ranks of one group are in different mpidomain calls ({listing}); every rank must make the "
+                "same collective calls in the same order: look for a call only some ranks make (under an if on "
+                "the rank, or skipped by an exception)"
+            )
+        if any(failed for _, _, failed in everyone):
+            raise_on_all_ranks(comm, error)
+        descriptions = [d for _, d, _ in everyone]
+        if self._mismatch is not None:
+            raise self._mismatch(descriptions)
+        listing = ", ".join(f"rank {r}: {d!r}" for r, d in enumerate(descriptions))
+        raise ValueError(f"{call} needs the same arguments on every rank, got {listing}")
 
 
 def agree(comm, call, description, flag=False, error=None, mismatch=None, token=0, code=None):
@@ -119,29 +169,9 @@ def agree(comm, call, description, flag=False, error=None, mismatch=None, token=
     cache hit on every rank, but on plans that were not built together.
     ``code``, for a call made again and again, is
     ``agreement_code(call, description)`` kept from an earlier call.
+    :class:`Agreement` is the same in two halves.
     """
-    local = None if error is None else f"{type(error).__name__}: {error}"
-    same, any_flag = agrees_and_any(comm, (call, description, local), flag, token, code if error is None else None)
-    if same:
-        if error is not None:
-            raise error
-        return any_flag
-    everyone = comm.allgather((call, description, error is not None))
-    calls = [c for c, _, _ in everyone]
-    if len(set(calls)) > 1:
-        listing = ", ".join(f"rank {r}: {c}" for r, c in enumerate(calls))
-        raise RuntimeError(
-            f"the ranks of one group are in different mpidomain calls ({listing}); every rank must make the same "
-            "collective calls in the same order: look for a call only some ranks make (under an if on the rank, "
-            "or skipped by an exception)"
-        )
-    if any(failed for _, _, failed in everyone):
-        raise_on_all_ranks(comm, error)
-    descriptions = [d for _, d, _ in everyone]
-    if mismatch is not None:
-        raise mismatch(descriptions)
-    listing = ", ".join(f"rank {r}: {d!r}" for r, d in enumerate(descriptions))
-    raise ValueError(f"{call} needs the same arguments on every rank, got {listing}")
+    return Agreement(comm, call, description, flag, error, mismatch, token, code).result()
 
 
 def wait_politely(request, interval=0.001):

@@ -28,7 +28,7 @@ pads whatever D is, so the code after the exchange never branches on D.
 import numpy as np
 
 from . import devices, plan_cache, transport
-from ._mpi import agree, agreement_code, is_active, mpi
+from ._mpi import Agreement, agree, agreement_code, is_active, mpi
 from ._validate import normalize_dim, require_int, require_manager
 from .halo_layout import HaloLayout
 from .manager import allocate_tags, library_comm
@@ -302,13 +302,18 @@ class HaloPlan:
         """
         self._check_usable()
         self._check_array(x, self.shape, "x")
+        if out is not None:
+            self._check_array(out, self.padded_shape, "out")
+        return self._pad(x, out)
+
+    def _pad(self, x, out=None, interior_done=False):
+        """:meth:`pad` without its checks; ``interior_done``: ``out`` already holds ``x`` in its interior."""
         if out is None:
             out = self._new_padded()
-        else:
-            self._check_array(out, self.padded_shape, "out")
         source, working = self.transport.view(x), self.transport.view(out)
         self._begin(source, self._send_rows_of_shard, working)
-        working[self._interior] = source
+        if not interior_done:
+            working[self._interior] = source
         self._finish(working)
         return out
 
@@ -455,16 +460,27 @@ def cached_plan(x, halo_width, dim=None, *, periodic=False, manager=None, call="
     what each rank had. Each manager keeps its own last
     :data:`~mpidomain.plan_cache.CACHE_SIZE` plans.
     """
+    return _settle(x, halo_width, dim, periodic, manager, call)[0]
+
+
+def _settle(x, halo_width, dim, periodic, manager, call, out=None, copy_interior=False):
+    """:func:`cached_plan`'s work; return ``(plan, out, interior copied)``.
+
+    ``out`` is checked with the arguments (a bad one raises on every rank).
+    With ``copy_interior``, a rank that holds a plan for ``x`` copies ``x``
+    into ``out`` (a new padded array if None) while the agreement travels.
+    """
     manager = require_manager(manager, "halo exchange")
     comm = library_comm(manager)
     cache = plan_cache.cache_of(manager)
     quick = _quick_key(x, halo_width, dim, periodic, call)
     found = None if quick is None else cache.quick(quick)
+    error = None
     if found is not None:  # arguments seen before: their checks passed then, and would again
         key, plan, (signature, code) = found
-        error = None
+        padded_shape = plan.padded_shape
     else:
-        signature, error, key, code = None, None, None, None
+        signature, key, code, padded_shape = None, None, None, None
         try:
             mine = _describe(x, halo_width, manager.shard_dim if dim is None else dim, periodic)
             kind = devices.array_kind(x)
@@ -472,24 +488,59 @@ def cached_plan(x, halo_width, dim=None, *, periodic=False, manager=None, call="
             key = (tuple(mine.values()), device)  # this rank's plan; the call kind does not change it
             signature = dict(_signature(mine), call=call)
             code = agreement_code("halo_exchange", signature)
+            d, h = mine["dim"], mine["halo_width"]
+            padded_shape = tuple(x.shape[:d]) + (mine["extent"] + 2 * h,) + tuple(x.shape[d + 1:])
         except (TypeError, ValueError) as exc:
             error = exc
         plan = None if key is None else cache.get(key)
+    if out is not None and error is None:
+        try:
+            _check_out(out, x, padded_shape, call)
+        except (TypeError, ValueError) as exc:
+            error = exc
     # A hit counts only if every rank hit the same plan, the one built together with the same tags:
     # after uneven shards, one rank's key can find a plan its neighbour has since replaced.
-    miss = agree(comm, "halo_exchange", signature, plan is None, error, _group_mismatch,
-                 -1 if plan is None else plan.tag, code)
-    if miss:
+    agreement = Agreement(comm, "halo_exchange", signature, plan is None, error, _group_mismatch,
+                          -1 if plan is None else plan.tag, code)
+    copied = False
+    if copy_interior and plan is not None and error is None:
+        if out is None:
+            out = plan._new_padded()
+        plan.transport.view(out)[plan._interior] = plan.transport.view(x)  # local work under the agreement
+        copied = True
+    if agreement.result():
         plan = HaloPlan(x, halo_width, dim, periodic=periodic, manager=manager)
         cache.put(key, plan)
     else:
         cache.touch(key)
     if found is None and quick is not None:
         cache.remember(quick, key, (signature, code))
-    return plan
+    return plan, out, copied
 
 
-def halo_exchange(x, halo_width, dim=None, *, periodic=False, manager=None):
+def _check_out(out, x, padded_shape, call):
+    """Raise TypeError/ValueError unless ``out`` can hold ``x``'s padded result of ``padded_shape``."""
+    if call == "pad+grad":
+        raise TypeError("out= cannot take the result of a tensor that requires grad (autograd needs a result of "
+                        "its own); drop out=, or pass x.detach()")
+    kind, expected = devices.array_kind(out), devices.array_kind(x)
+    if (kind != expected or out.dtype != x.dtype or tuple(out.shape) != padded_shape
+            or devices.is_device_array(out) != devices.is_device_array(x)):
+        where = "device" if devices.is_device_array(x) else "host"
+        raise ValueError(
+            f"out must be a {expected} array on the {where} of shape {padded_shape} and dtype {x.dtype} (x with "
+            f"the halos), got a {kind} array of shape {tuple(out.shape)} and dtype {out.dtype}"
+            f"{' on the device' if devices.is_device_array(out) else ''}; allocate it like x with the padded shape"
+        )
+    if kind == "torch" and (out.is_conj() or out.is_neg() or out.requires_grad):
+        raise ValueError("out must be a plain tensor that does not require grad (not a lazily conjugated or negated "
+                         "view); allocate a new one, e.g. torch.empty_like")
+    if not (out.is_contiguous() if kind == "torch" else out.flags.c_contiguous):
+        raise ValueError(f"out must be C-contiguous, got strides {tuple(out.stride() if kind == 'torch' else out.strides)}; "
+                         "allocate a new one, e.g. numpy.empty or torch.empty")
+
+
+def halo_exchange(x, halo_width, dim=None, *, periodic=False, manager=None, out=None):
     """Return ``x`` padded with ``halo_width`` of its neighbours' rows on both sides along ``dim``.
 
     Collective over the domain group: call on every rank of the group, each
@@ -504,18 +555,26 @@ def halo_exchange(x, halo_width, dim=None, *, periodic=False, manager=None):
     longitude, ``dim=-1``, of a latitude-sharded field) each rank holds the
     whole extent, so the result is a local pad of ``x``: its own wrapped rows
     with ``periodic=True``, zeros otherwise. Every call starts with one small
-    agreement step (an Allreduce) that checks the ranks' arguments and settles
-    the plan cache alike on every rank; a mismatch raises on every rank. A
-    Torch tensor that requires grad goes through :class:`mpidomain.nn.HaloExchange`.
+    agreement step (a non-blocking Allreduce, overlapped with copying ``x``
+    into the result) that checks the ranks' arguments and settles the plan
+    cache alike on every rank; a mismatch raises on every rank. A Torch
+    tensor that requires grad goes through :class:`mpidomain.nn.HaloExchange`.
+    ``out``, a C-contiguous array of the result's kind, dtype, device and
+    shape, receives the result instead of a new array (reusing it saves the
+    allocation, which for a large result costs as much as the copy).
 
     :param x: This rank's shard: NumPy array, CuPy array or Torch tensor.
     :param halo_width: Ghost rows on each side (<= every rank's extent along ``dim``).
     :param dim: Sharded dimension; default ``manager.shard_dim``.
     :param periodic: Wrap around the ends of the domain group.
     :param manager: Default: the global manager from ``initialize_domain_parallel``.
+    :param out: Where to write the result (not with a tensor that requires grad).
     """
     if getattr(x, "requires_grad", False) is True:  # a Torch tensor in an autograd graph
+        if out is not None:  # the same agreement as the autograd path's, raising on every rank
+            _settle(x, halo_width, dim, periodic, manager, "pad+grad", out)
         from .nn.halo import HaloExchange
 
         return HaloExchange(halo_width, dim, periodic, manager=manager)(x)
-    return cached_plan(x, halo_width, dim, periodic=periodic, manager=manager).pad(x)
+    plan, out, copied = _settle(x, halo_width, dim, periodic, manager, "pad", out, copy_interior=True)
+    return plan._pad(x, out, copied)

@@ -10,7 +10,9 @@ Each rank holds one shard of the given shape (float32). Rows, per shape and halo
 - floor (numpy / torch): copy the shard into a preallocated padded array, the least any
   pad-and-exchange must do; and, for information, a fresh allocation plus that copy (a large
   fresh array page-faults on every call);
-- mpidomain pad-and-exchange, NumPy and Torch: ``halo_exchange(x, h)``;
+- mpidomain pad-and-exchange, NumPy and Torch: ``halo_exchange(x, h)`` (a new result each call,
+  against the fresh-allocation floor) and ``halo_exchange(x, h, out=padded)`` (against the
+  preallocated floor);
 - the same through a held plan, ``plan.pad(x)`` (no per-call agreement step, no cache lookup),
   and the agreement step alone (one Allreduce of five integers, what every ``halo_exchange``
   call adds to check the ranks' arguments and settle the plan cache alike);
@@ -197,6 +199,8 @@ def bench(shape, h, repetitions, manager, rows):
         "fresh allocation + copy torch": fresh_torch,
         "mpidomain pad+exchange numpy": lambda: mpidomain.halo_exchange(x, h, dim),
         "mpidomain pad+exchange torch": lambda: mpidomain.halo_exchange(xt, h, dim),
+        "mpidomain pad+exchange numpy, out=": lambda: mpidomain.halo_exchange(x, h, dim, out=preallocated),
+        "mpidomain pad+exchange torch, out=": lambda: mpidomain.halo_exchange(xt, h, dim, out=preallocated_torch),
         "pad+exchange, fresh output": lambda: plan.pad(x, np.empty(padded_shape, np.float32)),
         "held plan pad": lambda: plan.pad(x),
         "agreement step": lambda: agrees_and_any(comm, ("halo_exchange", signature), False, 16),
@@ -217,8 +221,10 @@ def bench(shape, h, repetitions, manager, rows):
     two = WORLD.size == 2
     m = measured
     checks = [
-        ("mpidomain pad+exchange numpy", "floor numpy", 1.15 if two and large else None, "<="),
-        ("mpidomain pad+exchange torch", "floor torch", 1.15 if two and large else None, "<="),
+        ("mpidomain pad+exchange numpy, out=", "floor numpy", 1.15 if two and large else None, "<="),
+        ("mpidomain pad+exchange torch, out=", "floor torch", 1.15 if two and large else None, "<="),
+        ("mpidomain pad+exchange numpy", "fresh allocation + copy numpy", 1.15 if two and large else None, "<="),
+        ("mpidomain pad+exchange torch", "fresh allocation + copy torch", 1.15 if two and large else None, "<="),
         ("pad+exchange, fresh output", "mpidomain pad+exchange numpy", None, "<="),
         ("held plan pad", "mpidomain pad+exchange numpy", None, "<="),
         ("agreement step", "mpidomain pad+exchange numpy", None, "<="),

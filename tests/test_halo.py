@@ -339,3 +339,16 @@ def test_gpu_arrays_match_the_reference(world, monkeypatch, aware):
     finally:
         monkeypatch.delenv("MPIDOMAIN_CUDA_AWARE")
         halo.devices.cuda_aware_decision(refresh=True)
+
+
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+def test_out_receives_the_result_again_and_again(world, kind):
+    with DomainParallelManager(world.size, world.size) as manager:
+        for periodic, uneven in ((False, True), (True, False)):
+            shard, expected = local_case(manager, (2, "N", 3), 1, 2, periodic, uneven)
+            x = as_kind(shard, kind)
+            out = as_kind(np.full(expected.shape, -7, shard.dtype), kind)
+            for _ in range(3):
+                assert halo_exchange(x, 2, 1, periodic=periodic, manager=manager, out=out) is out
+                assert np.array_equal(to_numpy(out), expected)
+                to_numpy(out)[...] = -7

@@ -123,3 +123,24 @@ def test_plan_misuse(manager, monkeypatch):
     with pytest.raises(RuntimeError, match="this HaloPlan was freed"):
         plan.pad(x)
     plan.free()  # idempotent
+
+
+def test_out_mistakes_raise_on_every_rank(manager, world):
+    torch = pytest.importorskip("torch")
+    x = np.ones((4, 3), np.float32)
+    good = np.empty((6, 3), np.float32)
+    assert halo_exchange(x, 1, 0, manager=manager, out=good) is good
+    wrong = {
+        "shape": (np.empty((5, 3), np.float32), ValueError, r"out must be a numpy array on the host of shape \(6, 3\) "
+                  r"and dtype float32 \(x with the halos\), got a numpy array of shape \(5, 3\)"),
+        "dtype": (np.empty((6, 3)), ValueError, r"and dtype float32 .*got a numpy array of shape \(6, 3\) and dtype float64"),
+        "strides": (np.empty((6, 6), np.float32)[:, ::2], ValueError, r"out must be C-contiguous, got strides \(24, 8\)"),
+        "kind": (torch.empty(6, 3), ValueError, r"got a torch array of shape \(6, 3\)"),
+    }
+    for case, (bad, error, message) in wrong.items():
+        with pytest.raises(error, match=message):
+            halo_exchange(x, 1, 0, manager=manager, out=last_rank_only(manager, bad, good))
+    xt = torch.ones(4, 3, requires_grad=True)
+    with pytest.raises(TypeError, match="out= cannot take the result of a tensor that requires grad"):
+        halo_exchange(xt, 1, 0, manager=manager, out=last_rank_only(manager, torch.empty(6, 3), None))
+    assert halo_exchange(x, 1, 0, manager=manager, out=good) is good  # the group is in step afterwards
