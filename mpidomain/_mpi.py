@@ -5,6 +5,7 @@ Importing this module does not start MPI: ``mpi()`` imports ``mpi4py.MPI``
 """
 
 import hashlib
+import os
 import time
 
 import numpy as np
@@ -120,6 +121,11 @@ class Agreement:
     """
 
     def __init__(self, comm, call, description, flag=False, error=None, mismatch=None, token=0, code=None):
+        if comm.py2f() in _TIMED_OUT:
+            raise RuntimeError(
+                f"{call}: an earlier mpidomain call on this group timed out waiting for the other ranks, so the "
+                "group's ranks are no longer in step; end the job (and fix the call only some ranks made)"
+            )
         self._comm, self._call, self._description = comm, call, description
         self._error, self._mismatch = error, mismatch
         local = None if error is None else f"{type(error).__name__}: {error}"
@@ -129,7 +135,7 @@ class Agreement:
 
     def result(self):
         """Wait for the agreement; return the flag set on any rank (or tokens unequal), or raise on every rank."""
-        self._request.Wait()
+        wait_with_deadline(self._comm, self._request, self._call)
         same, any_flag = _agreement_result(self._values)
         comm, call, description, error = self._comm, self._call, self._description, self._error
         if same:
@@ -172,6 +178,60 @@ def agree(comm, call, description, flag=False, error=None, mismatch=None, token=
     :class:`Agreement` is the same in two halves.
     """
     return Agreement(comm, call, description, flag, error, mismatch, token, code).result()
+
+
+_TIMED_OUT = set()  # handles of the library communicators whose agreement timed out
+
+
+def forget_timeout(comm):
+    """Drop ``comm`` from the timed-out communicators (it is being freed; its handle may be reused)."""
+    _TIMED_OUT.discard(comm.py2f())
+
+
+def timeout_seconds():
+    """Return how long an agreement waits for the other ranks (``MPIDOMAIN_TIMEOUT``, default 600 s), or None.
+
+    ``MPIDOMAIN_TIMEOUT=0`` (or ``none``) waits forever. Set it alike on every rank.
+    """
+    setting = os.environ.get("MPIDOMAIN_TIMEOUT", "600").strip().lower()
+    if setting in ("0", "none", "off", ""):
+        return None
+    try:
+        seconds = float(setting)
+    except ValueError:
+        raise ValueError(f"MPIDOMAIN_TIMEOUT must be a number of seconds (0: no limit), got {setting!r}") from None
+    if seconds < 0:
+        raise ValueError(f"MPIDOMAIN_TIMEOUT must be >= 0 seconds (0: no limit), got {setting!r}")
+    return seconds
+
+
+def wait_with_deadline(comm, request, call):
+    """Complete ``request`` of an agreement on ``comm``, or raise RuntimeError after :func:`timeout_seconds`.
+
+    A rank that skipped ``call`` (or ended) leaves the others waiting here: the
+    deadline turns that hang into an error on every waiting rank (and, with the
+    abort-on-error hook, the end of the job). Spins briefly, then sleeps
+    between polls, so a long wait does not take a core from other ranks.
+    """
+    if request.Test():
+        return
+    limit = timeout_seconds()
+    start = time.monotonic()
+    pause = 0.0
+    while not request.Test():
+        waited = time.monotonic() - start
+        if limit is not None and waited > limit:
+            _TIMED_OUT.add(comm.py2f())
+            raise RuntimeError(
+                f"{call}: rank {comm.Get_rank()} of its group waited {waited:.0f} s for the other ranks "
+                f"(MPIDOMAIN_TIMEOUT={limit:g}); a rank skipped this call, ended, or is stuck in something else. "
+                "Every rank must make the same mpidomain calls in the same order: look for a call only some "
+                "ranks make (under an if on the rank, or skipped by an exception); raise MPIDOMAIN_TIMEOUT if "
+                "some ranks legitimately arrive this much later"
+            )
+        if waited > 0.001:
+            pause = min(0.01, pause + 0.0001)
+            time.sleep(pause)
 
 
 def wait_politely(request, interval=0.001):

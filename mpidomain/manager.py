@@ -15,7 +15,7 @@ import warnings
 
 from . import abort, binding
 from . import torch_bridge as bridge
-from ._mpi import check_same, is_active, mpi, raise_on_all_ranks
+from ._mpi import check_same, forget_timeout, is_active, mpi, raise_on_all_ranks
 from ._validate import is_int
 from .launcher import check_launcher_world, detect_launcher
 
@@ -272,8 +272,10 @@ class DomainParallelManager:
             self._torch_default_group = None
         if is_active():
             for private in self._private.values():
+                forget_timeout(private)
                 private.Free()
             for name in ("_domain_comm", "_dp_comm", "_node_comm", "_comm"):
+                forget_timeout(getattr(self, name))
                 getattr(self, name).Free()
         self._domain_group = None
         self._dp_group = None

@@ -117,3 +117,72 @@ def test_python_m_mpi4py_ends_exits_the_library_cannot_see(world, tmp_path_facto
         assert time.monotonic() - started < 30
         if message is not None:
             assert result.stderr.count(message) == 1, result.stderr
+
+
+SKIPPED_CALL_SCRIPT = """
+import time
+import numpy as np
+from mpi4py import MPI
+import mpidomain
+comm = MPI.COMM_WORLD
+caught = __import__("sys").argv[1] == "caught"
+mpidomain.initialize_domain_parallel(comm.size, comm.size, abort_on_error=not caught)
+x = np.ones((4, 3))
+for step in range(2):
+    mpidomain.halo_exchange(x, 1, 0)
+if comm.rank != 1:  # rank 1 skips the last exchange and ends: nothing follows for the others to meet
+    started = time.monotonic()
+    try:
+        mpidomain.halo_exchange(x, 1, 0)
+    except RuntimeError as error:
+        if not caught:
+            raise
+        print(f"RANK {comm.rank} AFTER {time.monotonic() - started:.1f} S: {error}", flush=True)
+    try:
+        mpidomain.allreduce(x)
+    except RuntimeError as error:
+        print(f"RANK {comm.rank} THEN: {error}", flush=True)
+    time.sleep(1 if comm.rank == 0 else 60)  # both ranks print before rank 0 ends the job
+    comm.Abort(4)
+"""
+
+
+@pytest.mark.parametrize("mode", ["uncaught", "caught"])
+def test_a_skipped_last_call_times_out_instead_of_hanging(world, tmp_path_factory, mode):
+    # Nothing after the skipped call can meet the waiting ranks' agreement: MPIDOMAIN_TIMEOUT bounds the wait.
+    if world.rank == 0:
+        script = tmp_path_factory.mktemp("skipped") / "train.py"
+        script.write_text(SKIPPED_CALL_SCRIPT)
+        started = time.monotonic()
+        result = run_mpi(3, [str(script), mode], timeout=90, env={"MPIDOMAIN_TIMEOUT": "2"})
+        elapsed = time.monotonic() - started
+        assert result.returncode != 0, result.stderr
+        assert elapsed < 45, (elapsed, result.stderr)
+        waited = "waited 2 s for the other ranks (MPIDOMAIN_TIMEOUT=2); a rank skipped this call, ended"
+        if mode == "uncaught":
+            assert waited in result.stderr and "aborting all ranks" in result.stderr, result.stderr
+        else:
+            for rank in (0, 2):
+                assert re.search(rf"RANK {rank} AFTER [23]\.\d S: halo_exchange: rank {rank} of its group {re.escape(waited)}",
+                                 result.stdout), result.stdout + result.stderr
+                assert f"RANK {rank} THEN: allreduce: an earlier mpidomain call on this group timed out" in result.stdout
+
+
+@pytest.mark.parametrize("setting, expected", [("0", None), ("none", None), ("2.5", 2.5), (None, 600.0)])
+def test_timeout_setting(monkeypatch, setting, expected):
+    from mpidomain._mpi import timeout_seconds
+
+    if setting is None:
+        monkeypatch.delenv("MPIDOMAIN_TIMEOUT", raising=False)
+    else:
+        monkeypatch.setenv("MPIDOMAIN_TIMEOUT", setting)
+    assert timeout_seconds() == expected
+
+
+@pytest.mark.parametrize("setting", ["soon", "-1"])
+def test_timeout_setting_mistakes(monkeypatch, setting):
+    from mpidomain._mpi import timeout_seconds
+
+    monkeypatch.setenv("MPIDOMAIN_TIMEOUT", setting)
+    with pytest.raises(ValueError, match=rf"MPIDOMAIN_TIMEOUT must be .*got '{re.escape(setting)}'"):
+        timeout_seconds()
