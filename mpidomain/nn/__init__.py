@@ -1,6 +1,26 @@
-"""Torch building blocks for domain- and data-parallel training (importing this imports torch)."""
+"""Torch building blocks for domain- and data-parallel training (importing this imports torch).
 
+Domain-parallel layers equal their single-process twins in forward and
+backward; :func:`convert_to_domain_parallel` puts them into a model.
+"""
+
+from .conv import (DomainParallelConv2d, DomainParallelConv3d, DomainParallelConvTranspose2d,
+                   DomainParallelConvTranspose3d, DomainParallelPeriodicConv2d)
+from .convert import convert_to_domain_parallel
 from .gradients import allreduce_gradients
 from .halo import HaloExchange
+from .interpolate import DomainParallelInterpolate
+from .norm import DomainParallelGroupNorm
 
-__all__ = ["HaloExchange", "allreduce_gradients"]
+__all__ = [
+    "HaloExchange",
+    "allreduce_gradients",
+    "DomainParallelConv2d",
+    "DomainParallelConv3d",
+    "DomainParallelConvTranspose2d",
+    "DomainParallelConvTranspose3d",
+    "DomainParallelPeriodicConv2d",
+    "DomainParallelGroupNorm",
+    "DomainParallelInterpolate",
+    "convert_to_domain_parallel",
+]

@@ -1,0 +1,128 @@
+"""What every domain-parallel layer shares: the ranks' extents, the input rows, its wrapped module.
+
+- :func:`layer_extents`: one agreement step (the layer and its settings must be
+  the same on every rank) and every rank's extent along the sharded dimension;
+- :func:`fetch_rows`: this rank's input rows ``[in_start, in_stop)`` through a
+  differentiable halo exchange, with the layer's own padding beyond the edges;
+- :class:`Wrapper`: a layer that holds the wrapped module as a child yet
+  shows its parameters under the wrapped module's own state_dict keys, and
+  runs its forward pre-hooks (spectral_norm, weight_norm).
+"""
+
+import torch
+
+from .._mpi import agree
+from .._validate import normalize_dim, require_manager
+from ..manager import library_comm
+from .halo import HaloExchange
+
+__all__ = ["Wrapper", "fetch_rows", "layer_extents", "spatial_axis"]
+
+
+def spatial_axis(x, shard_dim, spatial, name):
+    """Return (normalised ``shard_dim`` of ``x``, its index among the last ``spatial`` dims); ValueError if not spatial."""
+    dim = normalize_dim(shard_dim, tuple(x.shape), "shard_dim")
+    axis = dim - (x.ndim - spatial)
+    if axis < 0:
+        raise ValueError(f"{name}: shard_dim={shard_dim} is dim {dim} of a {x.ndim}-d input, not one of its last "
+                         f"{spatial} (spatial) dims; shard a spatial dim (e.g. -2, latitude)")
+    return dim, axis
+
+
+def layer_extents(manager, name, x, dim, settings, error=None):
+    """Return (every rank's extent along ``dim``, this rank's index) for layer ``name`` with ``settings``.
+
+    Collective over the domain group: one agreement step (the same layer,
+    settings, dtype and extents but along ``dim`` on every rank, or every rank
+    raises; a local ``error`` raises on every rank), then one allgather. Along
+    a dim the manager does not shard, each rank holds all of it: ``([extent], 0)``.
+    """
+    comm = library_comm(manager)
+    description = None
+    if error is None:
+        shape = tuple(x.shape)
+        description = (settings, str(x.dtype), shape[:dim] + shape[dim + 1:], bool(x.requires_grad))
+    agree(comm, name, description, error=error)
+    shard_dim = manager.shard_dim
+    if not (-x.ndim <= shard_dim < x.ndim and shard_dim % x.ndim == dim):
+        return [int(x.shape[dim])], 0
+    return comm.allgather(int(x.shape[dim])), comm.Get_rank()
+
+
+def fetch_rows(x, window, halo, dim, manager, *, edge="zeros", first=True, last=True):
+    """Return ``x``'s input rows ``[window.in_start, window.in_stop)`` (global) along ``dim``; differentiable.
+
+    Collective over the domain group (a halo exchange of ``halo`` rows, none if 0).
+    Rows beyond the global edges follow ``edge``: ``"zeros"``, ``"circular"``
+    (the other end's rows), ``"reflect"`` or ``"replicate"`` (the edge rank's own
+    rows; ``first``/``last`` say whether this rank holds an edge).
+    """
+    padded = HaloExchange(halo, dim, edge == "circular", manager=manager)(x) if halo else x
+    start = window.in_start - (window.own_start - halo)
+    slab = padded.narrow(dim, start, max(0, window.in_stop - window.in_start))
+    if edge not in ("reflect", "replicate"):
+        return slab
+    # Rows before global row 0 or after the last one are this edge rank's own rows.
+    n = x.shape[dim]
+    lead = max(0, -window.in_start) if first else 0
+    trail = max(0, window.in_stop - window.own_stop) if last else 0
+    if not lead and not trail:
+        return slab
+    pieces = []
+    if lead:
+        rows = [(-g if edge == "reflect" else 0) for g in range(-lead, 0)]
+        pieces.append(x.index_select(dim, torch.tensor(rows, device=x.device)))
+    pieces.append(slab.narrow(dim, lead, slab.shape[dim] - lead - trail))
+    if trail:
+        rows = [(2 * (n - 1) - (g - window.own_start) if edge == "reflect" else n - 1)
+                for g in range(window.own_stop, window.own_stop + trail)]
+        pieces.append(x.index_select(dim, torch.tensor(rows, device=x.device)))
+    return torch.cat(pieces, dim)
+
+
+class Wrapper(torch.nn.Module):
+    """A layer around ``self.<child>``: the child's parameters keep the child's own state_dict keys.
+
+    ``model.state_dict()`` of a converted model has the keys of the model
+    before conversion, and loads either way.
+    """
+
+    _child = "module"
+
+    def __init__(self, module, shard_dim, manager):
+        super().__init__()
+        setattr(self, self._child, module)
+        self.shard_dim = shard_dim
+        self.manager = manager
+        register_post = getattr(self, "register_state_dict_post_hook", None) or self._register_state_dict_hook
+        register_post(_strip_child_prefix)
+        self.register_load_state_dict_pre_hook(_add_child_prefix)
+
+    @property
+    def wrapped(self):
+        """The wrapped module."""
+        return getattr(self, self._child)
+
+    def _manager(self):
+        return require_manager(self.manager, type(self).__name__)
+
+    def _pre_hooks(self, x):
+        """Run the wrapped module's forward pre-hooks on ``(x,)``; return the input they leave."""
+        module = self.wrapped
+        for hook in list(module._forward_pre_hooks.values()):
+            result = hook(module, (x,))
+            if result is not None:
+                x = result[0] if isinstance(result, tuple) else result
+        return x
+
+
+def _strip_child_prefix(module, state_dict, prefix, local_metadata):
+    inner = prefix + module._child + "."
+    for key in [k for k in state_dict if k.startswith(inner)]:
+        state_dict[prefix + key[len(inner):]] = state_dict.pop(key)
+
+
+def _add_child_prefix(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+    inner = prefix + module._child + "."
+    for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(inner)]:
+        state_dict[inner + key[len(prefix):]] = state_dict.pop(key)

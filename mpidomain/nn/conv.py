@@ -1,0 +1,229 @@
+"""Convolutions sharded along one spatial dimension, equal to the single-process layer.
+
+Each rank computes the output rows whose first input row falls in its own
+rows (:mod:`mpidomain.nn.rows`), from its rows plus its neighbours' (a
+differentiable halo exchange): any kernel, stride, dilation, padding
+(``"same"``, ``"valid"``, asymmetric) and padding mode, uneven shards
+included. Forward and backward equal the wrapped layer's on the whole field
+to round-off. Parameters stay the wrapped module's (same state_dict keys);
+its forward pre-hooks run first (spectral_norm, weight_norm).
+"""
+
+import torch
+import torch.nn.functional as F
+
+from . import rows
+from ._shard import Wrapper, fetch_rows, layer_extents, spatial_axis
+
+__all__ = [
+    "DomainParallelConv2d",
+    "DomainParallelConv3d",
+    "DomainParallelConvTranspose2d",
+    "DomainParallelConvTranspose3d",
+    "DomainParallelPeriodicConv2d",
+]
+
+_CONV = {2: F.conv2d, 3: F.conv3d}
+_TRANSPOSED = {2: F.conv_transpose2d, 3: F.conv_transpose3d}
+
+
+def conv_padding(conv):
+    """Return the conv's zero padding as (before, after) per spatial dim (``"same"``/``"valid"`` resolved)."""
+    spatial = len(conv.kernel_size)
+    if conv.padding == "valid":
+        return [(0, 0)] * spatial
+    if conv.padding == "same":
+        totals = [d * (k - 1) for d, k in zip(conv.dilation, conv.kernel_size)]
+        return [(t // 2, t - t // 2) for t in totals]
+    return [(p, p) for p in conv.padding]
+
+
+def _check_windows(name, windows, extents, halo, details):
+    """Raise ValueError (alike on every rank: all compute the same windows) for a layout the layer cannot run."""
+    empty = [r for r, w in enumerate(windows) if not w.outputs]
+    problem = None
+    if empty and sum(w.outputs for w in windows):
+        problem = f"domain ranks {empty} would hold no output rows"
+    elif halo > min(extents):
+        problem = f"it needs {halo} rows of each neighbour, more than the smallest shard holds"
+    if problem:
+        raise ValueError(
+            f"{name}({details}) cannot run on shards of {list(extents)} rows along the sharded dim: {problem}; "
+            "use fewer domain ranks or a larger field"
+        )
+
+
+class _Conv(Wrapper):
+    _child = "conv"
+    _base = ()
+    _spatial = 2
+
+    def __init__(self, conv, shard_dim=-2, manager=None, *, padding=None):
+        if not isinstance(conv, self._base):
+            raise TypeError(f"{type(self).__name__} wraps a torch.nn.{self._base.__name__}, got {type(conv).__name__}")
+        super().__init__(conv, shard_dim, manager)
+        # (before, after) along the sharded dim in place of the conv's own: an explicit ZeroPad before it.
+        self.padding_override = padding
+
+    @property
+    def weight(self):
+        """The wrapped convolution's weight."""
+        return self.conv.weight
+
+    @property
+    def bias(self):
+        """The wrapped convolution's bias (or None)."""
+        return self.conv.bias
+
+    def _settings(self, axis):
+        conv = self.conv
+        return (type(conv).__name__, tuple(conv.kernel_size), tuple(conv.stride), tuple(conv.dilation),
+                str(conv.padding), getattr(conv, "output_padding", None), conv.groups, conv.padding_mode, axis,
+                self.padding_override)
+
+    def extra_repr(self):
+        return f"shard_dim={self.shard_dim}" + (f", padding={self.padding_override}" if self.padding_override else "")
+
+
+class _ForwardConv(_Conv):
+    def forward(self, x):
+        """Return this rank's rows of the convolution of the whole field; collective over the domain group."""
+        x = self._pre_hooks(x)
+        conv, name, manager = self.conv, type(self).__name__, self._manager()
+        dim, axis = spatial_axis(x, self.shard_dim, self._spatial, name)
+        pads = conv_padding(conv)
+        if self.padding_override is not None:
+            pads[axis] = tuple(self.padding_override)
+        k, s, d = conv.kernel_size[axis], conv.stride[axis], conv.dilation[axis]
+        extents, index = layer_extents(manager, name, x, dim, self._settings(axis))
+        windows = rows.conv_windows(extents, k, s, d, *pads[axis])
+        halo = rows.halo_for(windows)
+        mode = conv.padding_mode
+        details = f"kernel={k}, stride={s}, dilation={d}, padding={pads[axis]} along dim {dim}"
+        _check_windows(name, windows, extents, halo, details)
+        if mode == "reflect" and max(pads[axis]) >= min(extents[0], extents[-1]):
+            raise ValueError(f"{name}({details}): reflect padding needs more rows than the padding on the edge "
+                             f"ranks, got shards of {list(extents)}; use fewer domain ranks")
+        window = windows[index]
+        slab = fetch_rows(x, window, halo, dim, manager, edge=mode, first=index == 0, last=index == len(windows) - 1)
+        return self._convolve(slab, pads, axis)
+
+    def _convolve(self, slab, pads, axis):
+        conv = self.conv
+        others = [p for i, p in enumerate(pads) if i != axis]
+        padding = [0 if i == axis else p[0] for i, p in enumerate(pads)]
+        if conv.padding_mode != "zeros" or any(b != a for b, a in others):
+            widths = []
+            for i in reversed(range(len(pads))):  # F.pad takes the last dim first
+                widths += [0, 0] if i == axis else list(pads[i])
+            mode = "constant" if conv.padding_mode == "zeros" else conv.padding_mode
+            slab = F.pad(slab, widths, mode=mode)
+            padding = [0] * len(pads)
+        return _CONV[self._spatial](slab, conv.weight, conv.bias, conv.stride, padding, conv.dilation, conv.groups)
+
+
+class DomainParallelConv2d(_ForwardConv):
+    """A ``torch.nn.Conv2d`` on a field sharded along ``shard_dim`` (default -2, latitude).
+
+    Collective over the domain group, forward and backward. Each rank returns
+    its rows of the single-process output (output rows are dealt out by where
+    their first input row lies: a stride-2 layer over 181/180 rows gives
+    91/90). Any kernel, stride, dilation, padding and padding mode (zeros,
+    circular across the domain group, reflect and replicate at its edges).
+
+    :param conv: The convolution; it stays the owner of the parameters (``.conv``).
+    :param shard_dim: The sharded dim of the input (the manager's ``shard_dim``).
+    :param manager: Default: the global manager from ``initialize_domain_parallel``.
+    :param padding: (before, after) rows along ``shard_dim`` in place of the conv's own padding.
+    """
+
+    _base = torch.nn.Conv2d
+    _spatial = 2
+
+
+class DomainParallelConv3d(_ForwardConv):
+    """A ``torch.nn.Conv3d`` on (B, C, T, H, W) sharded along ``shard_dim`` (default -2, H); as :class:`DomainParallelConv2d`."""
+
+    _base = torch.nn.Conv3d
+    _spatial = 3
+
+
+class _TransposedConv(_Conv):
+    def forward(self, x, output_size=None):
+        """Return this rank's rows of the transposed convolution of the whole field; collective."""
+        x = self._pre_hooks(x)
+        conv, name, manager = self.conv, type(self).__name__, self._manager()
+        error = None
+        if output_size is not None:
+            error = TypeError(f"{name} takes no output_size; set output_padding on the wrapped layer instead")
+        dim, axis = spatial_axis(x, self.shard_dim, self._spatial, name)
+        k, s, d = conv.kernel_size[axis], conv.stride[axis], conv.dilation[axis]
+        p, op = conv.padding[axis], conv.output_padding[axis]
+        extents, index = layer_extents(manager, name, x, dim, self._settings(axis), error)
+        windows = rows.transposed_windows(extents, k, s, d, p, op)
+        halo = rows.halo_for(windows)
+        details = f"kernel={k}, stride={s}, dilation={d}, padding={p}, output_padding={op} along dim {dim}"
+        _check_windows(name, windows, extents, halo, details)
+        window = windows[index]
+        slab = fetch_rows(x, window, halo, dim, manager)
+        padding = [0 if i == axis else q for i, q in enumerate(conv.padding)]
+        output_padding = [0 if i == axis else q for i, q in enumerate(conv.output_padding)]
+        if slab.shape[dim]:
+            full = _TRANSPOSED[self._spatial](slab, conv.weight, None, conv.stride, padding, output_padding,
+                                              conv.groups, conv.dilation)
+        else:  # no input reaches these outputs (output_padding rows): bias only
+            full = _TRANSPOSED[self._spatial](x.narrow(dim, 0, 1), conv.weight, None, conv.stride, padding,
+                                              output_padding, conv.groups, conv.dilation).narrow(dim, 0, 0)
+        short = window.skip + window.outputs - full.shape[dim]
+        if short > 0:  # output_padding rows past the last input's reach
+            widths = [0, 0] * (x.ndim - 1 - dim) + [0, short]
+            full = F.pad(full, widths)
+        out = full.narrow(dim, window.skip, window.outputs)
+        if conv.bias is not None:
+            out = out + conv.bias.view((1, -1) + (1,) * self._spatial)
+        return out
+
+
+class DomainParallelConvTranspose2d(_TransposedConv):
+    """A ``torch.nn.ConvTranspose2d`` on a field sharded along ``shard_dim``; collective, as :class:`DomainParallelConv2d`.
+
+    A rank computes the output rows whose (unpadded) position lies in
+    ``[a*stride, b*stride)`` for its input rows ``[a, b)``, from every input row
+    that adds onto them.
+    """
+
+    _base = torch.nn.ConvTranspose2d
+    _spatial = 2
+
+
+class DomainParallelConvTranspose3d(_TransposedConv):
+    """A ``torch.nn.ConvTranspose3d`` on (B, C, T, H, W) sharded along ``shard_dim``; as :class:`DomainParallelConvTranspose2d`."""
+
+    _base = torch.nn.ConvTranspose3d
+    _spatial = 3
+
+
+class DomainParallelPeriodicConv2d(DomainParallelConv2d):
+    """A ``torch.nn.Conv2d`` padded with zeros along the sharded dim (latitude) and circularly along the other
+    (longitude), by the conv's own padding.
+
+    Its single-process twin pads ``x`` circularly in longitude, then with zeros in latitude, and
+    convolves unpadded. Along the sharded dim the rows come from the neighbours (zeros beyond the
+    poles); each rank holds every longitude, so the wrap is local. Collective over the domain
+    group, forward and backward. Wraps a conv with ``padding_mode="zeros"``.
+    """
+
+    def _convolve(self, slab, pads, axis):
+        conv = self.conv
+        widths = []
+        for i in reversed(range(len(pads))):
+            widths += [0, 0] if i == axis else list(pads[i])
+        slab = F.pad(slab, widths, mode="circular")
+        return F.conv2d(slab, conv.weight, conv.bias, conv.stride, 0, conv.dilation, conv.groups)
+
+    def forward(self, x):
+        """Return this rank's rows of the periodic convolution of the whole field; collective."""
+        if self.conv.padding_mode != "zeros":
+            raise ValueError("DomainParallelPeriodicConv2d pads longitude circularly itself: wrap a conv with "
+                             f"padding_mode='zeros', got {self.conv.padding_mode!r}")
+        return super().forward(x)

@@ -1,0 +1,119 @@
+"""Which output rows of a sharded layer each rank computes, and which input rows it needs.
+
+Pure arithmetic along the sharded dimension, no torch and no MPI: given every
+rank's extent, each rank gets a :class:`Window`. Outputs are dealt out so that
+the ranks' outputs, in rank order, are exactly the single-process output rows,
+whatever the extents (uneven ones included), strides, paddings and dilations;
+input rows outside ``[0, N)`` are the layer's own padding.
+"""
+
+from dataclasses import dataclass
+
+__all__ = ["Window", "conv_windows", "transposed_windows", "halo_for", "ceil_div"]
+
+
+def ceil_div(a, b):
+    """Return ceil(a / b) for ints, b > 0 (negative a included)."""
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class Window:
+    """One rank's share: output rows ``[out_start, out_stop)``, computed from input rows
+    ``[in_start, in_stop)`` (global indices; beyond ``[0, N)`` they are padding), whose
+    own rows are ``[own_start, own_stop)``. ``skip`` is how many leading rows of the local
+    result on ``[in_start, in_stop)`` come before ``out_start`` (transposed convolutions)."""
+
+    out_start: int
+    out_stop: int
+    in_start: int
+    in_stop: int
+    own_start: int
+    own_stop: int
+    skip: int = 0
+
+    @property
+    def before(self):
+        """Rows needed before this rank's own rows (negative: own rows left unused)."""
+        return self.own_start - self.in_start
+
+    @property
+    def after(self):
+        """Rows needed after this rank's own rows."""
+        return self.in_stop - self.own_stop
+
+    @property
+    def outputs(self):
+        """The number of output rows."""
+        return self.out_stop - self.out_start
+
+
+def _offsets(extents):
+    starts, total = [], 0
+    for n in extents:
+        starts.append(total)
+        total += n
+    return starts, total
+
+
+def conv_output_length(n, kernel, stride, dilation, before, after):
+    """Output rows of a convolution over ``n`` rows padded by ``before``/``after``."""
+    return max(0, (n + before + after - dilation * (kernel - 1) - 1) // stride + 1)
+
+
+def conv_windows(extents, kernel, stride, dilation, before, after):
+    """Return each rank's :class:`Window` of a convolution along the sharded dimension.
+
+    Output ``o`` reads padded rows ``[o*stride, o*stride + span)`` (``span = dilation*(kernel-1)+1``),
+    that is input rows from ``o*stride - before``. A rank computes the outputs whose first
+    padded row ``o*stride`` falls in its own rows (the first rank from 0, the last up to the end).
+    """
+    starts, total = _offsets(extents)
+    span = dilation * (kernel - 1) + 1
+    m = conv_output_length(total, kernel, stride, dilation, before, after)
+    windows = []
+    for rank, (a, n) in enumerate(zip(starts, extents)):
+        b = a + n
+        lo = 0 if rank == 0 else min(ceil_div(a, stride), m)
+        hi = m if rank == len(extents) - 1 else min(ceil_div(b, stride), m)
+        hi = max(hi, lo)
+        in_start = lo * stride - before
+        in_stop = (hi - 1) * stride - before + span if hi > lo else in_start
+        windows.append(Window(lo, hi, in_start, in_stop, a, b))
+    return windows
+
+
+def transposed_output_length(n, kernel, stride, dilation, padding, output_padding):
+    """Output rows of a transposed convolution over ``n`` rows."""
+    return max(0, (n - 1) * stride - 2 * padding + dilation * (kernel - 1) + output_padding + 1)
+
+
+def transposed_windows(extents, kernel, stride, dilation, padding, output_padding):
+    """Return each rank's :class:`Window` of a transposed convolution along the sharded dimension.
+
+    Input ``i`` adds onto full-output rows ``i*stride + j*dilation`` (``j < kernel``); output
+    ``q`` is full row ``q + padding``. A rank computes the outputs whose full row falls in
+    ``[a*stride, b*stride)`` for its own rows ``[a, b)`` (the first from 0, the last up to the end),
+    from every input that adds onto them.
+    """
+    starts, total = _offsets(extents)
+    reach = dilation * (kernel - 1)
+    m = transposed_output_length(total, kernel, stride, dilation, padding, output_padding)
+    windows = []
+    for rank, (a, n) in enumerate(zip(starts, extents)):
+        b = a + n
+        lo = 0 if rank == 0 else min(max(a * stride - padding, 0), m)
+        hi = m if rank == len(extents) - 1 else min(max(b * stride - padding, 0), m)
+        hi = max(hi, lo)
+        if hi > lo:
+            in_start = ceil_div(lo + padding - reach, stride)
+            in_stop = (hi - 1 + padding) // stride + 1
+        else:
+            in_start = in_stop = a
+        windows.append(Window(lo, hi, in_start, in_stop, a, b, skip=lo + padding - in_start * stride))
+    return windows
+
+
+def halo_for(windows):
+    """Return the halo width every rank exchanges: the most rows any rank needs on either side."""
+    return max([0] + [max(w.before, w.after) for w in windows if w.outputs])
