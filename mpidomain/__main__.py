@@ -1,8 +1,10 @@
-"""Command line: ``python -m mpidomain info|check`` under any launcher.
+"""Command line: ``python -m mpidomain info|check|demo`` under any launcher.
 
 ``info`` prints every rank's place in the domain-parallel mesh; ``check`` tests a
 cluster end to end (halo exchange, shard/gather, link bandwidth, devices) and exits
-0 with a one-line verdict, or 1 naming what failed on which ranks.
+0 with a one-line verdict, or 1 naming what failed on which ranks; ``demo`` trains a
+small U-Net domain-parallel next to the same steps on one process and exits 0 if
+the two models agree.
 """
 
 import argparse
@@ -47,6 +49,11 @@ def _parser():
                       help="global array shape, sharded along H (default: 1,32,16*D,1440)")
     test.add_argument("--halo-width", type=int, default=2, help="ghost rows on each side (default: 2)")
     test.add_argument("--repeats", type=int, default=20, help="round trips per bandwidth measurement (default: 20)")
+    demo = commands.add_parser("demo", help="train a small U-Net domain-parallel and on one process; compare")
+    demo.add_argument("--domain-parallel-size", "-D", type=int, default=2, help="ranks per domain group (default: 2)")
+    demo.add_argument("--steps", type=int, default=5, help="training steps (default: 5)")
+    demo.add_argument("--size", type=_size, default=(128, 256), metavar="HxW",
+                      help="latitudes x longitudes of the synthetic fields (default: 128x256)")
     return parser
 
 
@@ -71,6 +78,25 @@ def _shape(text):
             f"expected four positive extents B,C,H,W (batch, channels, latitude, longitude) such as 1,32,64,1440, "
             f"got {text!r}")
     return shape
+
+
+def _size(text):
+    """Parse --size: HxW, two positive extents."""
+    try:
+        size = tuple(int(n) for n in text.lower().split("x"))
+    except ValueError:
+        size = ()
+    if len(size) != 2 or min(size) < 1:
+        raise argparse.ArgumentTypeError(f"expected latitudes x longitudes such as 128x256, got {text!r}")
+    return size
+
+
+def _demo(args):
+    from .demo import run_demo  # imports torch
+
+    if args.steps < 1:
+        raise ValueError(f"--steps must be >= 1, got {args.steps}")
+    return run_demo(args.steps, args.domain_parallel_size, args.size, out=lambda line: print(line, flush=True))
 
 
 def _manager(args, size):
@@ -121,7 +147,7 @@ def main(argv=None):
     """Run the command line; return the process exit status."""
     args = _parser().parse_args(argv)
     try:
-        return {"info": _info, "check": _check}[args.command](args)
+        return {"info": _info, "check": _check, "demo": _demo}[args.command](args)
     except (ValueError, TypeError, RuntimeError) as error:
         # Raised on every rank alike (mpidomain's collective checks): report once.
         if mpi().COMM_WORLD.Get_rank() == 0:

@@ -187,9 +187,9 @@ class _TransposedConv(_Conv):
 class DomainParallelConvTranspose2d(_TransposedConv):
     """A ``torch.nn.ConvTranspose2d`` on a field sharded along ``shard_dim``; collective, as :class:`DomainParallelConv2d`.
 
-    A rank computes the output rows whose (unpadded) position lies in
-    ``[a*stride, b*stride)`` for its input rows ``[a, b)``, from every input row
-    that adds onto them.
+    A rank computes output rows ``[a*stride, b*stride)`` for its input rows
+    ``[a, b)``, from every input row that adds onto them: after a stride-2
+    convolution over even shards, the rows of the skip connection.
     """
 
     _base = torch.nn.ConvTranspose2d

@@ -92,9 +92,10 @@ def transposed_windows(extents, kernel, stride, dilation, padding, output_paddin
     """Return each rank's :class:`Window` of a transposed convolution along the sharded dimension.
 
     Input ``i`` adds onto full-output rows ``i*stride + j*dilation`` (``j < kernel``); output
-    ``q`` is full row ``q + padding``. A rank computes the outputs whose full row falls in
-    ``[a*stride, b*stride)`` for its own rows ``[a, b)`` (the first from 0, the last up to the end),
-    from every input that adds onto them.
+    ``q`` is full row ``q + padding``. A rank computes outputs ``[a*stride, b*stride)`` for its
+    own rows ``[a, b)`` (the first from 0, the last up to the end), from every input that adds
+    onto them: the rows a stride-``s`` convolution's outputs ``[a/s, b/s)`` came from, so a
+    U-Net's skip connections line up.
     """
     starts, total = _offsets(extents)
     reach = dilation * (kernel - 1)
@@ -102,8 +103,8 @@ def transposed_windows(extents, kernel, stride, dilation, padding, output_paddin
     windows = []
     for rank, (a, n) in enumerate(zip(starts, extents)):
         b = a + n
-        lo = 0 if rank == 0 else min(max(a * stride - padding, 0), m)
-        hi = m if rank == len(extents) - 1 else min(max(b * stride - padding, 0), m)
+        lo = 0 if rank == 0 else min(a * stride, m)
+        hi = m if rank == len(extents) - 1 else min(b * stride, m)
         hi = max(hi, lo)
         if hi > lo:
             in_start = ceil_div(lo + padding - reach, stride)
