@@ -1,0 +1,120 @@
+"""Benchmark domain-parallel convolutions: exchange-then-convolve against an overlapped variant.
+
+Run under MPI with every rank in one domain group (latitude, dim -2, sharded)::
+
+    mpiexec -n 2 python scripts/bench_layers.py
+    mpiexec -n 4 python scripts/bench_layers.py
+
+Each rank holds one float32 shard of the given shape; a 3x3 convolution (C -> C, padding 1).
+Rows, all measured in the same run, taking turns after a barrier (slowest rank's median):
+
+- local convolution: the same layer on the shard alone, no communication (the compute floor);
+- DomainParallelConv2d: what the library runs (halo exchange, then one convolution);
+- overlapped: ``HaloPlan.start``, the interior rows convolved while the halos travel,
+  ``wait``, then the two boundary rows;
+- overlapped with progress: the same, the interior convolved in four chunks with an MPI
+  call between them, so that MPI can move the halos during the computation;
+- forward and backward of DomainParallelConv2d against the local layer's.
+
+The library keeps exchange-then-convolve unless an overlapped row is faster (the verdict line).
+"""
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+from mpi4py import MPI
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import mpidomain  # noqa: E402
+from bench_halo import timed  # noqa: E402
+from mpidomain.nn import DomainParallelConv2d  # noqa: E402
+
+WORLD = MPI.COMM_WORLD
+
+
+def bench(shape, repetitions, manager, rows):
+    torch.manual_seed(0)
+    channels = shape[1]
+    conv = torch.nn.Conv2d(channels, channels, 3, padding=1)
+    layer = DomainParallelConv2d(conv, manager=manager)
+    x = torch.randn(shape)
+    weight, bias = conv.weight.detach(), conv.bias.detach()
+    plan = mpidomain.HaloPlan(x, 1, manager=manager)
+    padded = plan.empty()
+    comm = manager.domain_comm
+
+    def overlapped(chunks=1):
+        plan.interior(padded)[...] = x
+        plan.start(padded)
+        n = x.shape[-2]
+        bounds = [1 + (n - 2) * i // chunks for i in range(chunks + 1)]
+        inner = []
+        for lo, hi in zip(bounds[:-1], bounds[1:]):
+            inner.append(F.conv2d(x[..., lo - 1:hi + 1, :], weight, bias, padding=(0, 1)))
+            if chunks > 1:
+                comm.Iprobe()  # any MPI call lets MPI progress the halos
+        plan.wait()
+        top = F.conv2d(padded[..., 0:3, :], weight, bias, padding=(0, 1))
+        bottom = F.conv2d(padded[..., -3:, :], weight, bias, padding=(0, 1))
+        return torch.cat([top, *inner, bottom], dim=-2)
+
+    def forward_backward(module, source):
+        source = source.detach().requires_grad_()
+        module(source).sum().backward()
+
+    with torch.no_grad():
+        expected = layer(x)
+        assert torch.equal(overlapped(), expected) and torch.allclose(overlapped(4), expected)
+        measured = timed({
+            "local convolution": lambda: conv(x),
+            "DomainParallelConv2d": lambda: layer(x),
+            "overlapped": overlapped,
+            "overlapped with progress": lambda: overlapped(4),
+        }, repetitions)
+    measured.update(timed({
+        "local forward+backward": lambda: forward_backward(conv, x),
+        "DomainParallelConv2d forward+backward": lambda: forward_backward(layer, x),
+    }, repetitions))
+    plan.free()
+    label = f"{shape}"
+    for name, (median, fastest) in measured.items():
+        rows.append((label, name, f"{median * 1e3:9.3f}", f"{fastest * 1e3:9.3f}", ""))
+    m = {name: median for name, (median, _) in measured.items()}
+    for name, baseline in (("DomainParallelConv2d", "local convolution"),
+                           ("overlapped", "DomainParallelConv2d"),
+                           ("overlapped with progress", "DomainParallelConv2d"),
+                           ("DomainParallelConv2d forward+backward", "local forward+backward")):
+        rows.append((label, f"{name} / {baseline}", "", "", f"{m[name] / m[baseline]:6.2f}x"))
+    best = min(("overlapped", "overlapped with progress"), key=m.get)
+    wins = m[best] < m["DomainParallelConv2d"]
+    rows.append((label, f"verdict: {best} {'wins' if wins else 'does not win'} "
+                        f"({m[best] / m['DomainParallelConv2d']:.2f}x of exchange-then-convolve)", "", "", ""))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repetitions", type=int, default=None, help="repetitions per row (default: by size)")
+    args = parser.parse_args()
+    torch.set_num_threads(1)  # one core per rank
+    manager = mpidomain.initialize_domain_parallel(WORLD.size, WORLD.size)
+    rows = []
+    for shape in ((1, 64, 180, 1440), (2, 16, 64, 128)):
+        large = shape[-2] * shape[-1] >= 100_000
+        bench(shape, args.repetitions or (5 if large else 50), manager, rows)
+    if WORLD.rank == 0:
+        print(f"ranks: {WORLD.size} (one domain group), float32, 3x3 convolution C->C, latitude sharded, "
+              "torch threads 1")
+        print(f"MPI: {MPI.Get_library_version().splitlines()[0]}; torch {torch.__version__}; {os.cpu_count()} cores")
+        print(f"{'shard':20} {'measurement (ratios of medians)':62} {'median ms':>9} {'min ms':>9} {'ratio':>7}")
+        for label, name, median, fastest, ratio in rows:
+            print(f"{label:20} {name:62} {median:>9} {fastest:>9} {ratio:>7}")
+    manager.close()
+
+
+if __name__ == "__main__":
+    main()
