@@ -37,6 +37,17 @@ def test_bench_halo_prints_verdicts(world):
         assert len(verdicts) == 15 and all(("pass" in v) != ("MISS" in v) for v in verdicts), result.stdout
 
 
+def test_bench_layers_prints_a_verdict(world):
+    pytest.importorskip("torch")
+    if world.rank == 0:
+        result = run_mpi(2, [_script("bench_layers.py"), "--repetitions", "1", "--small-only"], timeout=300)
+        assert result.returncode == 0, result.stderr
+        lines = result.stdout.splitlines()
+        assert sum("verdict: overlapped" in line for line in lines) == 1, result.stdout
+        assert any(line.rstrip().endswith("x") and "DomainParallelConv2d / local convolution" in line
+                   for line in lines), result.stdout
+
+
 def test_bench_collectives_prints_ratios(world):
     pytest.importorskip("torch")
     if world.rank == 0:
