@@ -74,11 +74,23 @@ def test_mistakes():
         DomainParallelConv2d(nn.Linear(2, 2))
 
 
+class ChannelLayerNorm(nn.Module):
+    """LayerNorm over the channels only: local, so conversion leaves it alone."""
+
+    def __init__(self, channels):
+        super().__init__()
+        self.norm = nn.LayerNorm(channels)
+
+    def forward(self, x):
+        return self.norm(x.movedim(1, -1)).movedim(-1, 1)
+
+
 def small_cnn():
     torch.manual_seed(3)
     return nn.Sequential(
         nn.Conv2d(2, 4, 3, padding=1),
         nn.GroupNorm(2, 4),
+        ChannelLayerNorm(4),
         nn.SiLU(),
         nn.Conv2d(4, 8, 4, stride=2, padding=1),
         nn.GroupNorm(1, 8),
@@ -105,6 +117,7 @@ def test_state_dict_keys_survive_and_load_both_ways():
 def test_whole_model(manager):
     single = small_cnn()
     parallel = convert_to_domain_parallel(copy.deepcopy(single), manager=manager)
+    assert type(parallel[2].norm) is nn.LayerNorm
     problems = []
     for uneven in (False, True):
         shape = (2, 2, 8 * manager.domain_parallel_size + 4 * uneven, 12)
