@@ -103,6 +103,16 @@ class Wrapper(torch.nn.Module):
         """The wrapped module."""
         return getattr(self, self._child)
 
+    @property
+    def weight(self):
+        """The wrapped module's weight (or None)."""
+        return self.wrapped.weight
+
+    @property
+    def bias(self):
+        """The wrapped module's bias (or None)."""
+        return self.wrapped.bias
+
     def _manager(self):
         return require_manager(self.manager, type(self).__name__)
 

@@ -65,16 +65,6 @@ class _Conv(Wrapper):
         # (before, after) along the sharded dim in place of the conv's own: an explicit ZeroPad before it.
         self.padding_override = padding
 
-    @property
-    def weight(self):
-        """The wrapped convolution's weight."""
-        return self.conv.weight
-
-    @property
-    def bias(self):
-        """The wrapped convolution's bias (or None)."""
-        return self.conv.bias
-
     def _settings(self, axis):
         conv = self.conv
         return (type(conv).__name__, tuple(conv.kernel_size), tuple(conv.stride), tuple(conv.dilation),

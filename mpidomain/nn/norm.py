@@ -35,16 +35,6 @@ class DomainParallelGroupNorm(Wrapper):
             raise TypeError(f"DomainParallelGroupNorm wraps a torch.nn.GroupNorm, got {type(norm).__name__}")
         super().__init__(norm, shard_dim, manager)
 
-    @property
-    def weight(self):
-        """The wrapped GroupNorm's weight (or None)."""
-        return self.norm.weight
-
-    @property
-    def bias(self):
-        """The wrapped GroupNorm's bias (or None)."""
-        return self.norm.bias
-
     def forward(self, x):
         """Return this rank's rows of the group-normalised whole field; collective over the domain group."""
         x = self._pre_hooks(x)
