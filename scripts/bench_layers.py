@@ -16,7 +16,8 @@ Rows, all measured in the same run, taking turns after a barrier (slowest rank's
   call between them, so that MPI can move the halos during the computation;
 - forward and backward of DomainParallelConv2d against the local layer's.
 
-The library keeps exchange-then-convolve unless an overlapped row is faster (the verdict line).
+The library keeps exchange-then-convolve unless an overlapped variant's median is below
+exchange-then-convolve's fastest call (the verdict line: a win beyond this machine's noise).
 """
 
 import argparse
@@ -91,9 +92,11 @@ def bench(shape, repetitions, manager, rows):
                            ("DomainParallelConv2d forward+backward", "local forward+backward")):
         rows.append((label, f"{name} / {baseline}", "", "", f"{m[name] / m[baseline]:6.2f}x"))
     best = min(("overlapped", "overlapped with progress"), key=m.get)
-    wins = m[best] < m["DomainParallelConv2d"]
+    fastest = measured["DomainParallelConv2d"][1]
+    wins = m[best] < fastest  # beyond the noise: its median under exchange-then-convolve's fastest call
     rows.append((label, f"verdict: {best} {'wins' if wins else 'does not win'} "
-                        f"({m[best] / m['DomainParallelConv2d']:.2f}x of exchange-then-convolve)", "", "", ""))
+                        f"({m[best] / m['DomainParallelConv2d']:.2f}x of exchange-then-convolve's median, "
+                        f"{m[best] / fastest:.2f}x of its fastest)", "", "", ""))
 
 
 def main():

@@ -146,6 +146,14 @@ def test_layouts_a_layer_cannot_run_raise_on_every_rank(manager, world):
     layer = DomainParallelConv2d(nn.Conv2d(1, 1, 7, padding=3), manager=manager)
     x = torch.zeros(1, 1, 2, 4)  # 2 rows per rank, the kernel needs 3 of each neighbour
     with pytest.raises(ValueError, match=r"DomainParallelConv2d\(kernel=7, stride=1, dilation=1, padding=\(3, 3\) "
+                                         r"along dim 2\): halo_width=3 exceeds the extent along dim on some ranks "
+                                         r"\(rank 0: 2, rank 1: 2.*use a smaller halo_width or fewer domain ranks"):
+        layer(x)
+    strided = DomainParallelConv2d(nn.Conv2d(1, 1, 7, stride=2, padding=3), manager=manager)
+    with pytest.raises(ValueError, match=r"DomainParallelConv2d\(kernel=7, stride=2, dilation=1, padding=\(3, 3\) "
                                          r"along dim 2\) cannot run on shards of \[2, 2.*it needs 3 rows of each "
                                          r"neighbour, more than the smallest shard holds; use fewer domain ranks"):
-        layer(x)
+        strided(x)
+    valid = DomainParallelConv2d(nn.Conv2d(1, 1, 5), manager=manager)
+    with pytest.raises(ValueError, match=r"the last domain rank holds 2 rows, too few for one output row"):
+        valid(torch.zeros(1, 1, 2, 8))

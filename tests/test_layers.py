@@ -11,7 +11,6 @@ once per test, so a failing rank never leaves the others in a collective.
 
 import copy
 
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -20,7 +19,7 @@ import mpidomain  # noqa: E402
 from mpidomain import DomainParallelManager, gather_tensor  # noqa: E402
 from mpidomain.nn import (DomainParallelConv2d, DomainParallelConv3d, DomainParallelConvTranspose2d,  # noqa: E402
                           DomainParallelConvTranspose3d, DomainParallelGroupNorm, DomainParallelInterpolate,
-                          DomainParallelPeriodicConv2d, allreduce_gradients, convert_to_domain_parallel)
+                          DomainParallelPeriodicConv2d, allreduce_gradients)
 
 nn = torch.nn
 TOLERANCE = 1e-10

@@ -61,3 +61,18 @@ def test_halo_for():
     assert rows.halo_for(windows) == 1
     assert rows.halo_for(rows.conv_windows([5, 5], 1, 1, 1, 0, 0)) == 0
     assert rows.ceil_div(-3, 2) == -1 and rows.ceil_div(3, 2) == 2
+
+
+def test_unit_stride_windows_need_no_other_extents():
+    rng = random.Random(2)
+    for _ in range(300):
+        extents = random_extents(rng, rng.randint(1, 5))
+        k, d, before, after = rng.randint(1, 5), rng.randint(1, 2), rng.randint(0, 3), rng.randint(0, 3)
+        windows = rows.conv_windows(extents, k, 1, d, before, after)
+        if not windows[-1].outputs:
+            continue  # the layer refuses this layout
+        for r, (w, n) in enumerate(zip(windows, extents)):
+            local = rows.unit_stride_window(n, r == 0, r == len(extents) - 1, k, d, before, after)
+            shift = w.own_start
+            assert (local.outputs, local.in_start + shift, local.in_stop + shift) == (w.outputs, w.in_start, w.in_stop)
+        assert rows.halo_for(windows) <= rows.unit_stride_halo(k, d, before, after)

@@ -16,7 +16,7 @@ from .._validate import normalize_dim, require_manager
 from ..manager import library_comm
 from .halo import HaloExchange
 
-__all__ = ["Wrapper", "fetch_rows", "layer_extents", "spatial_axis"]
+__all__ = ["Wrapper", "fetch_rows", "layer_agree", "layer_extents", "sharded", "spatial_axis"]
 
 
 def spatial_axis(x, shard_dim, spatial, name):
@@ -29,24 +29,40 @@ def spatial_axis(x, shard_dim, spatial, name):
     return dim, axis
 
 
-def layer_extents(manager, name, x, dim, settings, error=None):
-    """Return (every rank's extent along ``dim``, this rank's index) for layer ``name`` with ``settings``.
+def layer_agree(manager, name, x, dim, settings, error=None):
+    """Agree that every rank runs layer ``name`` with ``settings``; return (this rank's index, group size).
 
     Collective over the domain group: one agreement step (the same layer,
     settings, dtype and extents but along ``dim`` on every rank, or every rank
-    raises; a local ``error`` raises on every rank), then one allgather. Along
-    a dim the manager does not shard, each rank holds all of it: ``([extent], 0)``.
+    raises; a local ``error`` raises on every rank). Along a dim the manager
+    does not shard each rank holds all of it: ``(0, 1)``.
     """
-    comm = library_comm(manager)
     description = None
     if error is None:
         shape = tuple(x.shape)
         description = (settings, str(x.dtype), shape[:dim] + shape[dim + 1:], bool(x.requires_grad))
-    agree(comm, name, description, error=error)
+    agree(library_comm(manager), name, description, error=error)
+    if not sharded(manager, x, dim):
+        return 0, 1
+    return manager.domain_rank, manager.domain_parallel_size
+
+
+def sharded(manager, x, dim):
+    """True if normalised ``dim`` of ``x`` is the dim ``manager`` shards."""
     shard_dim = manager.shard_dim
-    if not (-x.ndim <= shard_dim < x.ndim and shard_dim % x.ndim == dim):
+    return -x.ndim <= shard_dim < x.ndim and shard_dim % x.ndim == dim
+
+
+def layer_extents(manager, name, x, dim, settings, error=None):
+    """Return (every rank's extent along ``dim``, this rank's index) for layer ``name`` with ``settings``.
+
+    Collective over the domain group: :func:`layer_agree`, then one allgather
+    (``([extent], 0)`` along a dim the manager does not shard).
+    """
+    index, size = layer_agree(manager, name, x, dim, settings, error)
+    if size == 1:
         return [int(x.shape[dim])], 0
-    return comm.allgather(int(x.shape[dim])), comm.Get_rank()
+    return library_comm(manager).allgather(int(x.shape[dim])), index
 
 
 def fetch_rows(x, window, halo, dim, manager, *, edge="zeros", first=True, last=True):

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from . import rows
-from ._shard import Wrapper, fetch_rows, layer_extents, spatial_axis
+from ._shard import Wrapper, fetch_rows, layer_agree, layer_extents, sharded, spatial_axis
 
 __all__ = [
     "DomainParallelConv2d",
@@ -85,18 +85,45 @@ class _ForwardConv(_Conv):
         if self.padding_override is not None:
             pads[axis] = tuple(self.padding_override)
         k, s, d = conv.kernel_size[axis], conv.stride[axis], conv.dilation[axis]
-        extents, index = layer_extents(manager, name, x, dim, self._settings(axis))
-        windows = rows.conv_windows(extents, k, s, d, *pads[axis])
-        halo = rows.halo_for(windows)
         mode = conv.padding_mode
         details = f"kernel={k}, stride={s}, dilation={d}, padding={pads[axis]} along dim {dim}"
-        _check_windows(name, windows, extents, halo, details)
-        if mode == "reflect" and max(pads[axis]) >= min(extents[0], extents[-1]):
-            raise ValueError(f"{name}({details}): reflect padding needs more rows than the padding on the edge "
-                             f"ranks, got shards of {list(extents)}; use fewer domain ranks")
-        window = windows[index]
-        slab = fetch_rows(x, window, halo, dim, manager, edge=mode, first=index == 0, last=index == len(windows) - 1)
+        if s == 1:  # each rank's window follows from its own rows: no extents to gather
+            window, halo, first, last = self._unit_stride(manager, name, x, dim, axis, pads, details)
+        else:
+            extents, index = layer_extents(manager, name, x, dim, self._settings(axis))
+            windows = rows.conv_windows(extents, k, s, d, *pads[axis])
+            halo = rows.halo_for(windows)
+            _check_windows(name, windows, extents, halo, details)
+            if mode == "reflect" and max(pads[axis]) >= min(extents[0], extents[-1]):
+                raise ValueError(f"{name}({details}): reflect padding needs more rows than the padding on the edge "
+                                 f"ranks, got shards of {list(extents)}; use fewer domain ranks")
+            window, first, last = windows[index], index == 0, index == len(windows) - 1
+        try:
+            slab = fetch_rows(x, window, halo, dim, manager, edge=mode, first=first, last=last)
+        except ValueError as error:  # raised on every rank alike: say which layer
+            raise ValueError(f"{name}({details}): {error}") from error
         return self._convolve(slab, pads, axis)
+
+    def _unit_stride(self, manager, name, x, dim, axis, pads, details):
+        """Agree, and return (window, halo, first, last) of a stride-1 layer from this rank's rows alone."""
+        conv = self.conv
+        k, d = conv.kernel_size[axis], conv.dilation[axis]
+        before, after = pads[axis]
+        n = x.shape[dim]
+        first = last = True
+        if sharded(manager, x, dim):
+            first = manager.domain_rank == 0
+            last = manager.domain_rank == manager.domain_parallel_size - 1
+        window = rows.unit_stride_window(n, first, last, k, d, before, after)
+        error = None
+        if last and window.outputs < 1:
+            error = ValueError(f"{name}({details}) cannot run: the last domain rank holds {n} rows, too few for "
+                               "one output row; use fewer domain ranks or a larger field")
+        elif conv.padding_mode == "reflect" and (first or last) and max(before, after) >= n:
+            error = ValueError(f"{name}({details}): reflect padding needs more rows than the padding on the edge "
+                               f"ranks, which hold {n}; use fewer domain ranks")
+        layer_agree(manager, name, x, dim, self._settings(axis), error)
+        return window, rows.unit_stride_halo(k, d, before, after), first, last
 
     def _convolve(self, slab, pads, axis):
         conv = self.conv

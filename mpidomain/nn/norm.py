@@ -6,7 +6,6 @@ Here the sums go through :func:`mpidomain.allreduce`, which is differentiable:
 forward and backward equal the single-process ``torch.nn.GroupNorm`` to round-off.
 """
 
-import numpy as np
 import torch
 
 from ..reduce import allreduce
@@ -20,8 +19,8 @@ class DomainParallelGroupNorm(Wrapper):
 
     Collective over the domain group, forward and backward: each rank passes
     its shard (any extents along the sharded dim) and gets its rows of the
-    single-process output. Two differentiable all-reduces of (B, G) sums
-    (two-pass: mean, then the squared deviations), one of the element count.
+    single-process output. Two differentiable all-reduces (two-pass, in float64:
+    the (B, G) sums with the element count, then the squared deviations).
 
     :param norm: The GroupNorm; it keeps the parameters (``.norm``, same state_dict keys).
     :param shard_dim: The sharded dim (only recorded: the statistics span every dim but B and C).
@@ -44,10 +43,13 @@ class DomainParallelGroupNorm(Wrapper):
                              f"{tuple(x.shape)}")
         batch, groups = x.shape[0], norm.num_groups
         grouped = x.reshape(batch, groups, -1)
-        total = int(allreduce(np.array([grouped.shape[-1]], np.int64), "sum", "domain", manager)[0])
-        mean = allreduce(grouped.sum(-1), "sum", "domain", manager) / total
+        # One all-reduce of the sums with the element count in float64 (exact to 2**53), one of the squares.
+        count = torch.full((batch, 1), float(grouped.shape[-1]), dtype=torch.float64, device=x.device)
+        sums = allreduce(torch.cat([grouped.sum(-1).double(), count], dim=1), "sum", "domain", manager)
+        total = sums[:, -1:]
+        mean = (sums[:, :-1] / total).to(x.dtype)
         centred = grouped - mean.unsqueeze(-1)
-        var = allreduce((centred * centred).sum(-1), "sum", "domain", manager) / total
+        var = (allreduce((centred * centred).sum(-1).double(), "sum", "domain", manager) / total).to(x.dtype)
         out = (centred / torch.sqrt(var + norm.eps).unsqueeze(-1)).reshape(x.shape)
         if norm.affine:
             shape = (1, -1) + (1,) * (x.ndim - 2)

@@ -83,6 +83,24 @@ def conv_windows(extents, kernel, stride, dilation, before, after):
     return windows
 
 
+def unit_stride_window(n, first, last, kernel, dilation, before, after):
+    """Return this rank's :class:`Window` of a stride-1 convolution, from its own ``n`` rows alone.
+
+    In this rank's coordinates (its rows are ``[0, n)``): the same window as
+    :func:`conv_windows` gives, which for stride 1 needs no other rank's extent
+    as long as the last rank keeps at least one output row (``last_rank_outputs``).
+    """
+    span = dilation * (kernel - 1) + 1
+    hi = n + before + after - span + 1 if last else n
+    in_stop = hi - 1 - before + span if hi > 0 else -before
+    return Window(0, max(hi, 0), -before, in_stop, 0, n)
+
+
+def unit_stride_halo(kernel, dilation, before, after):
+    """The halo of a stride-1 convolution, the same for every layout: the rows any rank needs on either side."""
+    return max(0, before, after, dilation * (kernel - 1) - before)
+
+
 def transposed_output_length(n, kernel, stride, dilation, padding, output_padding):
     """Output rows of a transposed convolution over ``n`` rows."""
     return max(0, (n - 1) * stride - 2 * padding + dilation * (kernel - 1) + output_padding + 1)
