@@ -220,6 +220,7 @@ def wait_with_deadline(comm, request, call):
     pause = 0.0
     while not request.Test():
         waited = time.monotonic() - start
+        _yield_core(waited)
         if limit is not None and waited > limit:
             _TIMED_OUT.add(comm.py2f())
             raise RuntimeError(
@@ -232,6 +233,27 @@ def wait_with_deadline(comm, request, call):
         if waited > 0.001:
             pause = min(0.01, pause + 0.0001)
             time.sleep(pause)
+
+
+def wait_all(requests):
+    """Complete every request, letting other processes on this core run between polls.
+
+    Like ``MPI.Request.Waitall``, whose busy poll holds the core: where ranks
+    outnumber cores (a laptop's ``mpiexec -n 4``), the rank being waited for
+    may need that very core.
+    """
+    MPI = mpi()
+    if MPI.Request.Testall(requests):
+        return
+    start = time.monotonic()
+    while not MPI.Request.Testall(requests):
+        _yield_core(time.monotonic() - start)
+
+
+def _yield_core(waited):
+    """After a short spin, give the core to any other runnable process (a no-op when none is)."""
+    if waited > 20e-6:
+        os.sched_yield()
 
 
 def wait_politely(request, interval=0.001):

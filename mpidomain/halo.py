@@ -28,7 +28,7 @@ pads whatever D is, so the code after the exchange never branches on D.
 import numpy as np
 
 from . import devices, plan_cache, transport
-from ._mpi import Agreement, agree, agreement_code, is_active, mpi
+from ._mpi import Agreement, agree, agreement_code, is_active, mpi, wait_all
 from ._validate import normalize_dim, require_int, require_manager
 from .halo_layout import HaloLayout
 from .manager import allocate_tags, library_comm
@@ -237,7 +237,7 @@ class HaloPlan:
     def _finish(self, working):
         """Wait for the transfers; fill ``working``'s ghost rows that are not messages or did not arrive in place."""
         if self._requests:
-            mpi().Request.Waitall(self._requests)
+            wait_all(self._requests)
         for rows in self._zeros:
             working[rows] = 0
         for source, ghost in self._copies:
@@ -343,12 +343,11 @@ class HaloPlan:
         for m, buffer in zip(self._receives, self._recv_buffers):
             self.transport.pack(working[m.rows], buffer)
         self.transport.synchronize(grad)
-        MPI = mpi()
         requests = [self._comm.Irecv(_message(buffer), source=m.peer, tag=m.tag)
                     for m, buffer in zip(self._sends, self._send_buffers)]
         requests += [self._comm.Isend(_message(buffer), dest=m.peer, tag=m.tag)
                      for m, buffer in zip(self._receives, self._recv_buffers)]
-        MPI.Request.Waitall(requests)
+        wait_all(requests)
         for m, buffer in zip(self._sends, self._send_buffers):
             self.transport.accumulate(buffer, out[shard_rows(m.rows)])
         self.transport.synchronize(out)  # the next exchange reuses the buffers

@@ -10,8 +10,8 @@ Rows, all measured in the same run, taking turns after a barrier (slowest rank's
 
 - local convolution: the same layer on the shard alone, no communication (the compute floor);
 - DomainParallelConv2d: what the library runs (halo exchange, then one convolution);
-- overlapped: ``HaloPlan.start``, the interior rows convolved while the halos travel,
-  ``wait``, then the two boundary rows;
+- overlapped: the layer's agreement steps, then ``HaloPlan.start``, the interior rows
+  convolved while the halos travel, ``wait``, then the two boundary rows;
 - overlapped with progress: the same, the interior convolved in four chunks with an MPI
   call between them, so that MPI can move the halos during the computation;
 - forward and backward of DomainParallelConv2d against the local layer's.
@@ -33,9 +33,18 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import mpidomain  # noqa: E402
 from bench_halo import timed  # noqa: E402
+from mpidomain._mpi import agree  # noqa: E402
+from mpidomain.halo import cached_plan  # noqa: E402
+from mpidomain.manager import library_comm  # noqa: E402
 from mpidomain.nn import DomainParallelConv2d  # noqa: E402
 
 WORLD = MPI.COMM_WORLD
+
+
+def layer_plan(x, manager):
+    """What DomainParallelConv2d does before its halo exchange: agree, then find the halo plan (agreed too)."""
+    agree(library_comm(manager), "DomainParallelConv2d (overlapped)", (tuple(x.shape[:-2]), x.shape[-1]))
+    return cached_plan(x, 1, -2, manager=manager)
 
 
 def bench(shape, repetitions, manager, rows):
@@ -45,11 +54,13 @@ def bench(shape, repetitions, manager, rows):
     layer = DomainParallelConv2d(conv, manager=manager)
     x = torch.randn(shape)
     weight, bias = conv.weight.detach(), conv.bias.detach()
-    plan = mpidomain.HaloPlan(x, 1, manager=manager)
-    padded = plan.empty()
     comm = manager.domain_comm
+    padded = layer_plan(x, manager).empty()
 
     def overlapped(chunks=1):
+        # The same agreement steps as the layer (its own, then the halo plan cache's), so that the
+        # rows compare overlap alone: only the order of halo transfer and computation differs.
+        plan = layer_plan(x, manager)
         plan.interior(padded)[...] = x
         plan.start(padded)
         n = x.shape[-2]
@@ -81,7 +92,6 @@ def bench(shape, repetitions, manager, rows):
         "local forward+backward": lambda: forward_backward(conv, x),
         "DomainParallelConv2d forward+backward": lambda: forward_backward(layer, x),
     }, repetitions))
-    plan.free()
     label = f"{shape}"
     for name, (median, fastest) in measured.items():
         rows.append((label, name, f"{median * 1e3:9.3f}", f"{fastest * 1e3:9.3f}", ""))
