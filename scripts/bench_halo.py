@@ -18,7 +18,10 @@ Each rank holds one shard of the given shape (float32). Rows, per shape and halo
   call adds to check the ranks' arguments and settle the plan cache alike);
 - the same into a freshly allocated output each call;
 - hand-written mpi4py: pack contiguous halos, Isend/Irecv, then concatenate;
-- CREDIT's exchange on torch.distributed gloo: P2POps, batch_isend_irecv, then torch.cat;
+- CREDIT's exchange on torch.distributed gloo: P2POps, batch_isend_irecv, then torch.cat. It runs in
+  a second phase, after every MPI row, next to ``halo_exchange`` of Torch tensors again: once a
+  gloo group exists, its threads share the cores with MPI's polling, which on a 2-core machine
+  slows every synchronising MPI call (the "gloo alive" row shows by how much);
 - raw transfer: persistent requests moving contiguous buffers holding the same halo bytes;
   and, the alternative to packing, the same rows of padded arrays described by MPI subarray
   datatypes, on the receiving side only or on both sides;
@@ -146,7 +149,9 @@ def subarray_transfer_requests(comm, x, h, prev_rank, next_rank, both_sides):
     return requests, types
 
 
-def bench(shape, h, repetitions, manager, rows):
+def bench(shape, h, repetitions, manager, gloo):
+    """Return the measured rows of one case: MPI's alone (``gloo=False``, before torch.distributed
+    starts), or CREDIT's gloo exchange next to ours with a gloo group alive (``gloo=True``)."""
     dim = -2
     rng = np.random.default_rng(WORLD.rank)
     x = rng.standard_normal(shape, dtype=np.float32)
@@ -189,8 +194,15 @@ def bench(shape, h, repetitions, manager, rows):
     ours = mpidomain.halo_exchange(x, h, dim)
     assert np.array_equal(ours, mpi4py_exchange(comm, x, h, prev_rank, next_rank))
     assert np.array_equal(mpidomain.halo_exchange(xt, h, dim).numpy(), ours)
-    assert np.array_equal(credit_gloo_exchange(xt, h, dim, prev_rank, next_rank).numpy(), ours)
     assert np.array_equal(plan.exchange(padded), ours)
+    if gloo:
+        assert np.array_equal(credit_gloo_exchange(xt, h, dim, prev_rank, next_rank).numpy(), ours)
+        measured = timed({
+            "CREDIT gloo": lambda: credit_gloo_exchange(xt, h, dim, prev_rank, next_rank),
+            "mpidomain pad+exchange torch, gloo alive": lambda: mpidomain.halo_exchange(xt, h, dim),
+        }, repetitions)
+        _free(raw_requests, subarray_requests, subarray_types, receive_only_requests, receive_only_types, plan, comm)
+        return measured
 
     measured = timed({
         "floor numpy": floor_numpy,
@@ -205,7 +217,6 @@ def bench(shape, h, repetitions, manager, rows):
         "held plan pad": lambda: plan.pad(x),
         "agreement step": lambda: agrees_and_any(comm, ("halo_exchange", signature), False, 16),
         "hand-written mpi4py": lambda: mpi4py_exchange(comm, x, h, prev_rank, next_rank),
-        "CREDIT gloo": lambda: credit_gloo_exchange(xt, h, dim, prev_rank, next_rank),
     }, repetitions)
     measured.update(timed({
         "raw transfer": lambda: run(raw_requests),
@@ -213,10 +224,18 @@ def bench(shape, h, repetitions, manager, rows):
         "raw transfer, subarray both sides": lambda: run(subarray_requests),
         "in-place plan": lambda: plan.exchange(padded),
     }, repetitions * 4))
-    for handle in raw_requests + subarray_requests + subarray_types + receive_only_requests + receive_only_types:
-        handle.Free()
-    plan.free()
-    comm.Free()
+    _free(raw_requests, subarray_requests, subarray_types, receive_only_requests, receive_only_types, plan, comm)
+    return measured
+
+
+def _free(*handles):
+    for handle in handles:
+        for one in handle if isinstance(handle, list) else [handle]:
+            one.free() if isinstance(one, mpidomain.HaloPlan) else one.Free()
+
+
+def report(shape, h, measured, rows):
+    """Append the case's rows, ratios and verdicts (targets at 2 ranks) to ``rows``."""
     large = shape[-2] * shape[-1] >= 100_000
     two = WORLD.size == 2
     m = measured
@@ -231,6 +250,7 @@ def bench(shape, h, repetitions, manager, rows):
         ("hand-written mpi4py", "mpidomain pad+exchange numpy", None, "<="),
         ("mpidomain pad+exchange numpy", "hand-written mpi4py", 1.5 if two and not large else None, "<="),
         ("CREDIT gloo", "mpidomain pad+exchange torch", (3 if large else 8) if two else None, ">="),
+        ("CREDIT gloo", "mpidomain pad+exchange torch, gloo alive", None, ">="),
         ("in-place plan", "raw transfer", 1.2 if two else None, "<="),
         ("raw transfer, subarray receives", "in-place plan", None, "<="),
         ("raw transfer, subarray both sides", "in-place plan", None, "<="),
@@ -253,11 +273,14 @@ def main():
     args = parser.parse_args()
     torch.set_num_threads(1)  # one core per rank
     manager = mpidomain.initialize_domain_parallel(WORLD.size, WORLD.size)
-    mpidomain.init_torch_distributed(backend="gloo")
     rows = []
-    for shape, h in (((1, 64, 180, 1440), 1), ((1, 64, 180, 1440), 3), ((2, 16, 64, 128), 1)):
-        large = shape[-2] * shape[-1] >= 100_000
-        bench(shape, h, args.repetitions or (20 if large else 200), manager, rows)
+    cases = [((1, 64, 180, 1440), 1), ((1, 64, 180, 1440), 3), ((2, 16, 64, 128), 1)]
+    repetitions = [args.repetitions or (20 if shape[-2] * shape[-1] >= 100_000 else 200) for shape, _ in cases]
+    measured = [bench(shape, h, n, manager, gloo=False) for (shape, h), n in zip(cases, repetitions)]
+    mpidomain.init_torch_distributed(backend="gloo")  # after MPI's rows: gloo's threads share the cores
+    for (shape, h), n, rows_of_case in zip(cases, repetitions, measured):
+        rows_of_case.update(bench(shape, h, n, manager, gloo=True))
+        report(shape, h, rows_of_case, rows)
     if WORLD.rank == 0:
         print(f"ranks: {WORLD.size} (one domain group), float32, latitude (dim -2) sharded, torch threads 1")
         print(f"MPI: {MPI.Get_library_version().splitlines()[0]}; mpi4py {__import__('mpi4py').__version__}; "
