@@ -47,6 +47,13 @@ def array_kind(x):
         return "numpy"
     module = type(x).__module__.split(".")[0]
     if module == "torch" and "torch" in sys.modules and isinstance(x, sys.modules["torch"].Tensor):
+        torch = sys.modules["torch"]
+        if x.layout is not torch.strided:
+            raise TypeError(f"expected a dense (strided) Torch tensor, got one of layout {x.layout}; "
+                            "convert it first (e.g. x.to_dense())")
+        if x.device.type == "meta":
+            raise TypeError("expected a Torch tensor with data, got one on the meta device; "
+                            "materialise it first (e.g. torch.empty_like(x, device='cpu'))")
         return "torch"
     if module == "cupy" and "cupy" in sys.modules and isinstance(x, sys.modules["cupy"].ndarray):
         return "cupy"

@@ -42,8 +42,12 @@ _IN_PLACE_RECEIVE_BYTES = 256 * 1024
 _NUMBER_KINDS = "biufc"  # bool, signed, unsigned, float, complex
 
 
-def _describe(x, halo_width, dim, periodic):
-    """Return what this rank's input looks like; raise TypeError/ValueError for a local mistake."""
+def _describe(x, halo_width, dim, periodic, shard_dim):
+    """Return what this rank's input looks like; raise TypeError/ValueError for a local mistake.
+
+    The extents along ``dim`` and along the manager's ``shard_dim`` may differ between ranks
+    (uneven shards, also when padding locally along another dim); the others may not.
+    """
     kind = devices.array_kind(x)
     require_int("halo_width", halo_width, least=0, hint="pass the number of ghost rows on each side, e.g. 1")
     if not isinstance(periodic, (bool, np.bool_)):
@@ -52,6 +56,7 @@ def _describe(x, halo_width, dim, periodic):
     if not shape:
         raise ValueError("x is a 0-d array; halo exchange needs at least the sharded dimension")
     dim = normalize_dim(dim, shape)
+    sharded = shard_dim % len(shape) if -len(shape) <= shard_dim < len(shape) else None
     dtype = devices.numpy_dtype(x)
     if dtype.kind not in _NUMBER_KINDS:
         raise TypeError(
@@ -63,7 +68,7 @@ def _describe(x, halo_width, dim, periodic):
         "dtype": x.dtype,
         "ndim": len(shape),
         "dim": dim,
-        "other extents": shape[:dim] + (None,) + shape[dim + 1:],
+        "other extents": tuple(None if i in (dim, sharded) else n for i, n in enumerate(shape)),
         "halo_width": int(halo_width),
         "periodic": bool(periodic),
         "extent": shape[dim],
@@ -137,7 +142,7 @@ class HaloPlan:
         comm = library_comm(manager)
         mine, error = None, None
         try:
-            mine = _describe(x, halo_width, manager.shard_dim if dim is None else dim, periodic)
+            mine = _describe(x, halo_width, manager.shard_dim if dim is None else dim, periodic, manager.shard_dim)
         except (TypeError, ValueError) as exc:
             error = exc
         _agree_inputs(comm, "HaloPlan", mine, error)
@@ -440,8 +445,8 @@ def _quick_key(x, halo_width, dim, periodic, call):
     """What ``x`` and the arguments are, as spelled, cheaply; None if that cannot be hashed."""
     try:
         device = x.device if not isinstance(x, np.ndarray) else None
-        key = (type(x), tuple(x.shape), x.dtype, device, type(halo_width), halo_width, type(dim), dim,
-               type(periodic), periodic, call)
+        key = (type(x), tuple(x.shape), x.dtype, device, getattr(x, "layout", None), type(halo_width), halo_width,
+               type(dim), dim, type(periodic), periodic, call)
         hash(key)
         return key
     except Exception:  # not an array, or an unhashable argument: the full checks report it
@@ -481,10 +486,10 @@ def _settle(x, halo_width, dim, periodic, manager, call, out=None, copy_interior
     else:
         signature, key, code, padded_shape = None, None, None, None
         try:
-            mine = _describe(x, halo_width, manager.shard_dim if dim is None else dim, periodic)
+            mine = _describe(x, halo_width, manager.shard_dim if dim is None else dim, periodic, manager.shard_dim)
             kind = devices.array_kind(x)
             device = str(x.device) if kind == "torch" else x.device.id if kind == "cupy" else None
-            key = (tuple(mine.values()), device)  # this rank's plan; the call kind does not change it
+            key = (tuple(mine.values()), tuple(x.shape), device)  # this rank's plan; not the call kind
             signature = dict(_signature(mine), call=call)
             code = agreement_code("halo_exchange", signature)
             d, h = mine["dim"], mine["halo_width"]
@@ -502,7 +507,7 @@ def _settle(x, halo_width, dim, periodic, manager, call, out=None, copy_interior
     agreement = Agreement(comm, "halo_exchange", signature, plan is None, error, _group_mismatch,
                           -1 if plan is None else plan.tag, code)
     copied = False
-    if copy_interior and plan is not None and error is None:
+    if copy_interior and plan is not None and error is None and plan.shape == tuple(x.shape):
         if out is None:
             out = plan._new_padded()
         plan.transport.view(out)[plan._interior] = plan.transport.view(x)  # local work under the agreement

@@ -247,3 +247,24 @@ def test_command_line_errors_print_once(world, args, message):
     status, stderr = _run_cli(world, args)
     assert status == 2, stderr
     assert stderr.count(message) == 1, stderr
+
+
+def test_15_local_pads_of_uneven_shards(manager, world):
+    """Found by tests/test_divergence.py: uneven latitudes made a longitude pad raise on every rank."""
+    x = np.arange((5 + world.rank) * 4, dtype=np.float64).reshape(5 + world.rank, 4)
+    for _ in range(2):  # the second call finds the plan by its quick key
+        padded = halo_exchange(x, 1, dim=-1, periodic=True)
+        assert np.array_equal(padded, np.pad(x, ((0, 0), (1, 1)), mode="wrap"))
+    with mpidomain.HaloPlan(x, 2, dim=-1) as plan:
+        assert np.array_equal(plan.pad(x), np.pad(x, ((0, 0), (2, 2))))
+
+
+@pytest.mark.parametrize("make", [lambda x: x.to_sparse(), lambda x: torch.empty(4, 3, device="meta")],
+                         ids=["sparse", "meta"])
+def test_16_sparse_and_meta_tensors_raise_on_every_rank(manager, world, make):
+    """Found by tests/test_divergence.py: they described themselves as dense CPU tensors, then failed alone."""
+    x = torch.ones(4, 3)
+    odd = make(x) if world.rank == world.size - 1 else x
+    for call in (lambda a: halo_exchange(a, 1, dim=0), lambda a: gather_tensor(a, dim=0), allreduce):
+        with pytest.raises(TypeError, match="expected a dense \\(strided\\) Torch tensor|on the meta device"):
+            call(odd)
