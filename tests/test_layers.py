@@ -207,3 +207,12 @@ def test_interpolate(manager):
     problems = run_cases(manager, cases, lambda m: DomainParallelInterpolate(**m.kwargs, manager=manager),
                          lambda D, uneven: (2, 3, 8 * D + (3 if uneven else 0), 10))
     assert not problems, "\n".join(problems)
+
+
+def test_a_layer_along_an_unsharded_dim_is_local_on_uneven_shards(manager):
+    """Longitude is not sharded: the layer is the plain convolution of this rank's rows, whatever their count."""
+    torch.manual_seed(2)
+    conv = nn.Conv2d(2, 3, (1, 3), padding=(0, 1), padding_mode="circular").double()
+    layer = DomainParallelConv2d(copy.deepcopy(conv), shard_dim=-1, manager=manager)
+    x = torch.randn(1, 2, 3 + manager.domain_rank, 8, dtype=torch.float64)
+    assert torch.allclose(layer(x), conv(x), rtol=1e-12, atol=0)

@@ -38,9 +38,10 @@ def layer_agree(manager, name, x, dim, settings, error=None):
     does not shard each rank holds all of it: ``(0, 1)``.
     """
     description = None
-    if error is None:
-        shape = tuple(x.shape)
-        description = (settings, str(x.dtype), shape[:dim] + shape[dim + 1:], bool(x.requires_grad))
+    if error is None:  # extents along dim and along the manager's sharded dim may differ (uneven shards)
+        free = {dim, manager.shard_dim % x.ndim if -x.ndim <= manager.shard_dim < x.ndim else dim}
+        shape = tuple(None if i in free else n for i, n in enumerate(x.shape))
+        description = (settings, str(x.dtype), shape, bool(x.requires_grad))
     agree(library_comm(manager), name, description, error=error)
     if not sharded(manager, x, dim):
         return 0, 1
