@@ -19,7 +19,11 @@ from .manager import initialize_domain_parallel, library_comm
 def _common(parser):
     parser.add_argument(
         "--domain-parallel-size", "-D", type=int, default=None,
-        help="ranks per domain group (default: all ranks in one group)",
+        help="ranks per domain group (default: all ranks of a tensor-parallel replica in one group)",
+    )
+    parser.add_argument(
+        "--tensor-parallel-size", "-T", type=int, default=1,
+        help="ranks per tensor-parallel group (default: 1); T x D must divide the number of ranks",
     )
     parser.add_argument(
         "--bind-device", type=_device_policy, default="auto", metavar="auto|none|0,1,...",
@@ -102,8 +106,9 @@ def _demo(args):
 def _manager(args, size):
     """The global manager for a command; the GPU libraries are imported first so that it binds."""
     binding._find_devices(import_libraries=True)
-    d = size if args.domain_parallel_size is None else args.domain_parallel_size
-    return initialize_domain_parallel(size, d, bind_device=args.bind_device)
+    t = args.tensor_parallel_size
+    d = (size // t if t >= 1 and size % t == 0 else size) if args.domain_parallel_size is None else args.domain_parallel_size
+    return initialize_domain_parallel(size, d, tensor_parallel_size=t, bind_device=args.bind_device)
 
 
 def _info(args):

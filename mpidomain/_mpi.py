@@ -38,10 +38,19 @@ def raise_on_all_ranks(comm, error):
     lowest failing rank) with a message listing each failing rank's error, so
     a mistake only one rank can see never leaves the others waiting.
     """
-    local = None
-    if error is not None:
-        local = (type(error).__name__, str(error))
-    reports = comm.allgather(local)
+    raise_reported(comm.allgather(error_report(error)), error)
+
+
+def error_report(error):
+    """Return what :func:`raise_reported` needs of this rank's ``error`` (None if none), to gather."""
+    return None if error is None else (type(error).__name__, str(error))
+
+
+def raise_reported(reports, error=None):
+    """Raise, alike on every rank, if any rank's gathered :func:`error_report` holds an error.
+
+    ``reports`` is every rank's report, in rank order; ``error`` this rank's own.
+    """
     failed = [(rank, report) for rank, report in enumerate(reports) if report]
     if not failed:
         return
@@ -49,12 +58,12 @@ def raise_on_all_ranks(comm, error):
     by_message = {}
     for rank, (_, message) in failed:
         by_message.setdefault(message, []).append(rank)
-    if error is not None and len(by_message) == 1 and len(failed) == comm.Get_size():
+    if error is not None and len(by_message) == 1 and len(failed) == len(reports):
         raise error
     kind = kinds.get(failed[0][1][0], RuntimeError)
     lines = [f"rank{'s' * (len(r) > 1)} {_ranges(r)}: {m}" for m, r in by_message.items()]
     raise kind(
-        f"{len(failed)} of {comm.Get_size()} ranks rejected the call:\n  " + "\n  ".join(lines)
+        f"{len(failed)} of {len(reports)} ranks rejected the call:\n  " + "\n  ".join(lines)
     )
 
 
@@ -68,13 +77,17 @@ def _ranges(ranks):
             spans.append([rank, rank])
     return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
 
-def check_same(comm, value, what, fix=""):
+def check_same(comm, value, what, fix="", error=None):
     """Raise ValueError on every rank unless all ranks passed the same ``value``.
 
-    Collective: call on all ranks of ``comm``. The message lists what each
-    rank had; ``what`` names the argument and ``fix`` says how to mend it.
+    Collective: call on all ranks of ``comm``: one allgather. The message lists
+    what each rank had; ``what`` names the argument and ``fix`` says how to
+    mend it. An ``error`` found locally on any rank is raised first, as
+    :func:`raise_on_all_ranks` raises it, in the same step.
     """
-    values = comm.allgather(value)
+    gathered = comm.allgather((error_report(error), value if error is None else None))
+    raise_reported([report for report, _ in gathered], error)
+    values = [v for _, v in gathered]
     if all(v == values[0] for v in values):
         return values[0]
     listing = ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values))

@@ -143,7 +143,7 @@ def _measure_links(manager, message_shape, device, repeats):
     """
     comm = library_comm(manager)
     rank, size = comm.Get_rank(), comm.Get_size()
-    first = manager.rank - manager.domain_rank
+    first = manager.domain_group_ranks()[0]
     send = _on_device(np.ones(message_shape, dtype=np.float32), device)
     recv = _on_device(np.zeros(message_shape, dtype=np.float32), device)
     nbytes = math.prod(message_shape) * 4
@@ -166,7 +166,7 @@ def run_check(manager, device, shape, width, repeats):
     report = _Report(manager)
     world = manager.world_size
     binding = manager.device_binding
-    report.say(f"mpidomain check: {world} ranks, D={manager.domain_parallel_size}, device {device}, "
+    report.say(f"mpidomain check: {world} ranks, {_axes(manager)}, device {device}, "
                f"global shape {tuple(shape)} float32 (sharded along dim -2), halo width {width}")
 
     report.say(f"[1/{STEPS}] layout")
@@ -175,7 +175,7 @@ def run_check(manager, device, shape, width, repeats):
         print(info.format_layout(manager, rows), flush=True)
 
     report.say(f"[2/{STEPS}] halo exchange against the global reference (zero edges, then periodic)")
-    full = _global_array(tuple(shape), manager._domain_group_idx)
+    full = _global_array(tuple(shape), manager.mesh.group_index("domain"))
     if report.agree("halo exchange", _guarded(_check_halo, manager, full, device, width)):
         report.say("  ok: every rank's padded shard equals the global array's rows")
 
@@ -219,7 +219,7 @@ def run_check(manager, device, shape, width, repeats):
     if shared:
         report.notes.append(f"ranks {_ranges(shared)} share a GPU")
 
-    summary = f"{world} ranks on {manager.num_nodes} node(s), D={manager.domain_parallel_size}, {device}"
+    summary = f"{world} ranks on {manager.num_nodes} node(s), {_axes(manager)}, {device}"
     if slowest is not None:
         summary += f"; slowest link rank {slowest[0]} <-> {slowest[1]} {slowest[2]:.3f} GB/s"
     if report.notes:
@@ -230,6 +230,11 @@ def run_check(manager, device, shape, width, repeats):
     failed = "; ".join(f"{step} on rank{'s' * (len(r) > 1)} {_ranges(r)}: {m}" for step, m, r in report.failures)
     report.say(f"check FAILED: {failed}; {summary}")
     return 1
+
+
+def _axes(manager):
+    """The three axes' sizes, as the header and the verdict print them."""
+    return f"D={manager.domain_parallel_size}, T={manager.tensor_parallel_size}, dp={manager.data_parallel_size}"
 
 
 def _guarded(step, *args):

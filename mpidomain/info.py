@@ -42,10 +42,10 @@ def _row(manager):
         "host": socket.gethostname(),
         "local": f"{manager.local_rank}/{manager.local_size}",
         "node": manager.node_index,
-        "domain group": manager._domain_group_idx,
-        "domain rank": manager.domain_rank,
-        "dp group": manager.domain_rank,
-        "dp rank": manager.dp_rank,
+        "dp": manager.dp_rank,
+        "tp": manager.tp_rank,
+        "domain": manager.domain_rank,
+        "domain group": manager.mesh.group_index("domain"),
         "prev": "-" if prev_rank is None else prev_rank,
         "next": "-" if next_rank is None else next_rank,
         "cuda": cuda_visible(),
@@ -70,17 +70,23 @@ def format_layout(manager, rows, header_extra=()):
     """Return the printable report: a header, then one line per rank."""
     MPI = mpi()
     library = MPI.Get_library_version().strip().splitlines()[0]
-    domain_groups = [manager.domain_group_ranks(i) for i in range(manager.data_parallel_size)]
-    dp_groups = [manager.data_parallel_group_ranks(i) for i in range(manager.domain_parallel_size)]
+    mesh = manager.mesh
     cuda = sorted({row["cuda"] for row in rows})
+
+    def groups(axis):
+        return " ".join(str(g).replace(" ", "") for g in mesh.groups(axis))
+
     lines = [
         f"world size        : {manager.world_size} ({manager.num_nodes} node(s))",
         f"launcher          : {manager.launcher.describe()}",
         f"MPI library       : {library} (MPI {'.'.join(map(str, MPI.Get_version()))})",
         f"mpi4py            : {__import__('mpi4py').__version__}",
+        f"mesh              : (dp, tp, domain) = {mesh.shape}, domain innermost",
         f"domain parallel   : D={manager.domain_parallel_size}, shard_dim={manager.shard_dim}",
-        f"domain groups     : {' '.join(str(g).replace(' ', '') for g in domain_groups)}",
-        f"data-parallel grps: {' '.join(str(g).replace(' ', '') for g in dp_groups)}",
+        f"tensor parallel   : T={manager.tensor_parallel_size}",
+        f"domain groups     : {groups('domain')}",
+        f"tensor-par. grps  : {groups('tp')}",
+        f"data-parallel grps: {groups('dp')}",
         f"CUDA visible      : {', '.join(cuda)}",
         f"device buffers    : {cuda_aware_decision()}",
     ]

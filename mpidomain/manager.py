@@ -1,13 +1,20 @@
-"""Domain-parallel manager: the (data_parallel, domain_parallel) mesh over MPI.
+"""Domain-parallel manager: the (data_parallel, tensor_parallel, domain_parallel) mesh over MPI.
 
 Same API as NCAR CREDIT's ``credit.domain_parallel.manager``, but the groups
 are MPI communicators built with ``Split`` on a duplicate of the parent
 communicator, so it runs under any launcher (srun, mpiexec, mpirun, PALS) or
-none. Domain groups are consecutive ranks; data-parallel groups stride by the
-domain-parallel size. With 8 ranks and ``domain_parallel_size=2``::
+none. The layout is :class:`mpidomain.mesh.Mesh`'s (CREDIT's ``credit.parallel``
+DeviceMesh): row-major over (dp, tp, domain), domain innermost. With 8 ranks and
+``domain_parallel_size=2``::
 
     domain groups:        [0,1] [2,3] [4,5] [6,7]
     data-parallel groups: [0,2,4,6] [1,3,5,7]
+
+and with ``tensor_parallel_size=2`` as well::
+
+    domain groups:          [0,1] [2,3] [4,5] [6,7]
+    tensor-parallel groups: [0,2] [1,3] [4,6] [5,7]
+    data-parallel groups:   [0,4] [1,5] [2,6] [3,7]
 """
 
 import logging
@@ -15,9 +22,10 @@ import warnings
 
 from . import abort, binding
 from . import torch_bridge as bridge
-from ._mpi import check_same, forget_timeout, is_active, mpi, raise_on_all_ranks
+from ._mpi import check_same, forget_timeout, is_active, mpi
 from ._validate import is_int
 from .launcher import check_launcher_world, detect_launcher
+from .mesh import AXES, Mesh
 
 __all__ = ["DomainParallelManager", "initialize_domain_parallel", "get_domain_parallel_manager"]
 
@@ -26,29 +34,32 @@ logger = logging.getLogger(__name__)
 _MANAGER = None
 
 
-def _argument_error(world_size, domain_parallel_size, shard_dim, comm_size):
+def _argument_error(world_size, domain_parallel_size, shard_dim, comm_size, tensor_parallel_size=1):
     """Return the first local problem with the arguments, or None."""
-    if not is_int(world_size):
-        return TypeError(f"world_size must be an int, got {world_size!r} ({type(world_size).__name__})")
-    if not is_int(domain_parallel_size):
-        return TypeError(
-            f"domain_parallel_size must be an int, got {domain_parallel_size!r} "
-            f"({type(domain_parallel_size).__name__})"
-        )
-    if not is_int(shard_dim):
-        return TypeError(f"shard_dim must be an int, got {shard_dim!r} ({type(shard_dim).__name__})")
+    for name, value in (("world_size", world_size), ("domain_parallel_size", domain_parallel_size),
+                        ("shard_dim", shard_dim), ("tensor_parallel_size", tensor_parallel_size)):
+        if not is_int(value):
+            return TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
     if world_size != comm_size:
         return ValueError(
             f"world_size={world_size} but the communicator has {comm_size} ranks; pass "
             f"world_size={comm_size} (the launcher's process count, e.g. mpiexec -n {comm_size})"
         )
-    if domain_parallel_size < 1:
-        return ValueError(f"domain_parallel_size must be >= 1, got {domain_parallel_size}")
-    if world_size % domain_parallel_size:
+    for name, value in (("domain_parallel_size", domain_parallel_size), ("tensor_parallel_size", tensor_parallel_size)):
+        if value < 1:
+            return ValueError(f"{name} must be >= 1, got {value}")
+    per_replica = tensor_parallel_size * domain_parallel_size
+    if world_size % per_replica:
         divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+        if tensor_parallel_size == 1:
+            return ValueError(
+                f"domain_parallel_size={domain_parallel_size} does not divide world_size={world_size}; "
+                f"choose one of {divisors} or launch a multiple of {domain_parallel_size} ranks"
+            )
         return ValueError(
-            f"domain_parallel_size={domain_parallel_size} does not divide world_size={world_size}; "
-            f"choose one of {divisors} or launch a multiple of {domain_parallel_size} ranks"
+            f"tensor_parallel_size={tensor_parallel_size} x domain_parallel_size={domain_parallel_size} = "
+            f"{per_replica} does not divide world_size={world_size}; choose sizes whose product is one of "
+            f"{divisors}, or launch a multiple of {per_replica} ranks"
         )
     return None
 
@@ -63,18 +74,23 @@ class DomainParallelManager:
     :param world_size: Number of ranks in ``comm``.
     :param domain_parallel_size: Ranks per domain-parallel group (D).
     :param shard_dim: Spatial dimension to shard; -2 is latitude (H) in (B, C, H, W).
+    :param tensor_parallel_size: Ranks per tensor-parallel group (T); ``T * D`` must divide
+        ``world_size``, and ``data_parallel_size`` is ``world_size // (T * D)``. With 1 (the
+        default) the layout is the two-axis one of CREDIT's manager.
     :param comm: Parent mpi4py communicator; it is duplicated, never used directly.
-    :param torch_bridge: Make ``domain_group``/``data_parallel_group`` torch.distributed
-        groups with the communicators' membership and rank order, initialising
-        torch.distributed from MPI (:func:`mpidomain.init_torch_distributed`) when
-        needed; ``domain_comm``/``data_parallel_comm`` stay MPI.
+    :param torch_bridge: Make ``domain_group``, ``tensor_parallel_group`` and
+        ``data_parallel_group`` torch.distributed groups with the communicators' membership
+        and rank order, initialising torch.distributed from MPI
+        (:func:`mpidomain.init_torch_distributed`) when needed, and offer them as
+        :attr:`device_mesh`; ``domain_comm``, ``tensor_parallel_comm`` and
+        ``data_parallel_comm`` stay MPI.
     :param bind_device: GPU per rank when torch or cupy (already imported) sees CUDA:
         ``"auto"`` (node-local rank modulo the device count), a list (one device index per
         node-local rank) or ``"none"`` (leave it). See :func:`mpidomain.bind_device`.
     """
 
-    def __init__(self, world_size, domain_parallel_size, shard_dim=-2, *, comm=None, torch_bridge=False,
-                 bind_device="auto"):
+    def __init__(self, world_size, domain_parallel_size, shard_dim=-2, *, tensor_parallel_size=1, comm=None,
+                 torch_bridge=False, bind_device="auto"):
         MPI = mpi()
         check_launcher_world(MPI.COMM_WORLD.Get_size(), library=MPI.Get_library_version().splitlines()[0])
         if comm is None:
@@ -83,39 +99,47 @@ class DomainParallelManager:
             raise TypeError(
                 f"comm must be an mpi4py intracommunicator such as MPI.COMM_WORLD, got {type(comm).__name__}"
             )
-        raise_on_all_ranks(comm, _argument_error(world_size, domain_parallel_size, shard_dim, comm.Get_size())
-                           or binding._policy_error(bind_device))
-        check_same(comm, (world_size, domain_parallel_size, shard_dim, bool(torch_bridge), _plain(bind_device)),
-                   "(world_size, domain_parallel_size, shard_dim, torch_bridge, bind_device)",
-                   "Pass the same values everywhere.")
+        error = (_argument_error(world_size, domain_parallel_size, shard_dim, comm.Get_size(), tensor_parallel_size)
+                 or binding._policy_error(bind_device))
+        check_same(comm, (world_size, domain_parallel_size, shard_dim, tensor_parallel_size, bool(torch_bridge),
+                          _plain(bind_device)),
+                   "(world_size, domain_parallel_size, shard_dim, tensor_parallel_size, torch_bridge, bind_device)",
+                   "Pass the same values everywhere.", error=error)
         self.torch_bridge = bool(torch_bridge)
         self._torch_default_group = bridge.acquire_default_group(comm) if self.torch_bridge else None
 
         self.world_size = int(world_size)
         self.domain_parallel_size = int(domain_parallel_size)
-        self.data_parallel_size = self.world_size // self.domain_parallel_size
+        self.tensor_parallel_size = int(tensor_parallel_size)
+        self.data_parallel_size = self.world_size // (self.tensor_parallel_size * self.domain_parallel_size)
         self.shard_dim = int(shard_dim)
         self.launcher = detect_launcher()
 
         self._parent = comm
         self._comm = comm.Dup()
-        rank = self._comm.Get_rank()
-        d = self.domain_parallel_size
-        self._rank = rank
-        self._domain_group_idx = rank // d
-        self._domain_rank = rank % d
-        self._dp_rank = rank // d
+        rank = self._rank = self._comm.Get_rank()
+        self.mesh = Mesh((self.data_parallel_size, self.tensor_parallel_size, self.domain_parallel_size), rank)
+        self._domain_group_idx = self.mesh.group_index("domain")
+        self._dp_rank, self._tp_rank, self._domain_rank = self.mesh.coords
 
-        self._domain_comm = self._comm.Split(self._domain_group_idx, rank)
-        self._dp_comm = self._comm.Split(self._domain_rank, rank)
+        # One Split per axis, coloured by the index of this rank's group along it
+        # (scripts/bench_manager.py measures it against Create_cart and Sub).
+        self._domain_comm, self._tp_comm, self._dp_comm = (
+            self._comm.Split(self.mesh.group_index(axis), rank) for axis in ("domain", "tp", "dp"))
         self._node_comm = self._comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
         self._domain_comm.Set_name(f"mpidomain.domain[{self._domain_group_idx}]")
-        self._dp_comm.Set_name(f"mpidomain.data_parallel[{self._domain_rank}]")
+        self._tp_comm.Set_name(f"mpidomain.tensor_parallel[{self.mesh.group_index('tp')}]")
+        self._dp_comm.Set_name(f"mpidomain.data_parallel[{self.mesh.group_index('dp')}]")
         # The library's own traffic (halos, shard/gather, agreement steps) travels on duplicates
         # the user never holds, so no user receive (ANY_TAG included) can match it.
-        self._private = {"domain": self._domain_comm.Dup(), "data": self._dp_comm.Dup()}
+        self._private = {"domain": self._domain_comm.Dup(), "tp": self._tp_comm.Dup(), "data": self._dp_comm.Dup()}
         self._next_tag = 16  # tags handed out collectively by allocate_tags()
-        node_roots = self._comm.allgather(self._node_comm.allreduce(rank, op=MPI.MIN))
+        # The node's lowest rank is its node-local rank 0 (Split_type was keyed by rank): no collective.
+        node_group, world_group = self._node_comm.Get_group(), self._comm.Get_group()
+        node_root = node_group.Translate_ranks([0], world_group)[0]
+        node_group.Free()
+        world_group.Free()
+        node_roots = self._comm.allgather(node_root)
         distinct_roots = sorted(set(node_roots))
         self._node_index = distinct_roots.index(node_roots[rank])
         self._num_nodes = len(distinct_roots)
@@ -125,20 +149,18 @@ class DomainParallelManager:
             self.device_binding = binding._bind(bind_device, self._comm, self.local_rank, self.local_size,
                                                 self._node_index, binding._find_devices(import_libraries=False))
 
-        self._domain_group = self._domain_comm
-        self._dp_group = self._dp_comm
+        self._domain_group, self._tp_group, self._dp_group = self._domain_comm, self._tp_comm, self._dp_comm
         self._torch_groups = ()
+        self._device_mesh = None
         if self.torch_bridge:
-            self._torch_groups = bridge.new_torch_groups(
-                [self.domain_group_ranks(i) for i in range(self.data_parallel_size)],
-                [self.data_parallel_group_ranks(i) for i in range(self.domain_parallel_size)],
-            )
-            self._domain_group, self._dp_group = self._torch_groups
+            self._torch_groups = bridge.new_torch_groups([self.mesh.groups(axis) for axis in ("domain", "tp", "dp")])
+            self._domain_group, self._tp_group, self._dp_group = self._torch_groups
         self._closed = False
         self._close_callbacks = []
         logger.info(
-            "domain parallel: rank %d, domain group %d (domain rank %d of %d), data-parallel rank %d of %d",
-            rank, self._domain_group_idx, self._domain_rank, d, self._dp_rank, self.data_parallel_size,
+            "domain parallel: rank %d, domain group %d (domain rank %d of %d), tensor-parallel rank %d of %d, "
+            "data-parallel rank %d of %d", rank, self._domain_group_idx, self._domain_rank, self.domain_parallel_size,
+            self._tp_rank, self.tensor_parallel_size, self._dp_rank, self.data_parallel_size,
         )
 
     # -- CREDIT's API -----------------------------------------------------
@@ -187,9 +209,54 @@ class DomainParallelManager:
 
         ``None`` stands for a missing neighbour at the edges of the domain group.
         """
-        prev_rank = self._rank - 1 if not self.is_first_domain_rank else None
-        next_rank = self._rank + 1 if not self.is_last_domain_rank else None
-        return prev_rank, next_rank
+        return self.mesh.neighbor("domain", -1), self.mesh.neighbor("domain", 1)
+
+    # -- The tensor-parallel axis (CREDIT's credit.parallel) -------------------
+    @property
+    def tensor_parallel_group(self):
+        """Group for tensor parallelism: a torch ProcessGroup if bridged, else the communicator."""
+        return self._tp_group
+
+    @property
+    def tp_rank(self):
+        """Rank within the tensor-parallel group (0 to tensor_parallel_size-1)."""
+        return self._tp_rank
+
+    @property
+    def tp_world_size(self):
+        """Number of ranks in the tensor-parallel group."""
+        return self.tensor_parallel_size
+
+    def data_parallel_coords(self):
+        """Return ``(dp_rank, dp_size)``: the ``rank=`` and ``num_replicas=`` of a DistributedSampler.
+
+        Ranks that differ only in their tensor-parallel or domain coordinate get
+        the same pair, so they read the same batch. Local.
+        """
+        return self._dp_rank, self.data_parallel_size
+
+    @property
+    def device_mesh(self):
+        """The torch ``DeviceMesh`` of shape (dp, tp, domain), dims named ``("dp", "tp", "domain")``.
+
+        Needs ``torch_bridge=True``. Its per-axis process groups are the bridged
+        groups themselves, so ``device_mesh["dp"]``, ``["tp"]`` and ``["domain"]``
+        have exactly the members of ``data_parallel_comm``, ``tensor_parallel_comm``
+        and ``domain_comm``; pass them to ``fully_shard(..., mesh=...)`` and
+        ``parallelize_module(..., device_mesh=...)``. Size-1 axes stay, each rank
+        its own group, as in ``init_device_mesh``. Built on first use, locally
+        (no communication); :meth:`close` releases it with the groups.
+        """
+        if self._closed:
+            raise RuntimeError(f"{self!r} is closed; initialise a new manager")
+        if not self.torch_bridge:
+            raise RuntimeError(
+                "device_mesh needs torch.distributed groups: build the manager with torch_bridge=True"
+            )
+        if self._device_mesh is None:
+            domain, tp, dp = self._torch_groups
+            self._device_mesh = bridge.device_mesh([dp, tp, domain], self.mesh.layout(), AXES)
+        return self._device_mesh
 
     # -- MPI specifics --------------------------------------------------------
     @property
@@ -201,6 +268,11 @@ class DomainParallelManager:
     def domain_comm(self):
         """The mpi4py communicator of this rank's domain group (always MPI)."""
         return self._domain_comm
+
+    @property
+    def tensor_parallel_comm(self):
+        """The mpi4py communicator of this rank's tensor-parallel group (always MPI)."""
+        return self._tp_comm
 
     @property
     def data_parallel_comm(self):
@@ -239,14 +311,18 @@ class DomainParallelManager:
 
     def domain_group_ranks(self, index=None):
         """Return the parent-communicator ranks of domain group ``index`` (default: ours)."""
-        index = self._domain_group_idx if index is None else index
-        d = self.domain_parallel_size
-        return list(range(index * d, (index + 1) * d))
+        return self.mesh.group_ranks("domain", index)
+
+    def tensor_parallel_group_ranks(self, index=None):
+        """Return the parent-communicator ranks of tensor-parallel group ``index`` (default: ours)."""
+        return self.mesh.group_ranks("tp", index)
 
     def data_parallel_group_ranks(self, index=None):
-        """Return the parent-communicator ranks of data-parallel group ``index`` (default: ours)."""
-        index = self._domain_rank if index is None else index
-        return list(range(index, self.world_size, self.domain_parallel_size))
+        """Return the parent-communicator ranks of data-parallel group ``index`` (default: ours).
+
+        With ``tensor_parallel_size=1``, group ``j`` holds the ranks of domain rank ``j``.
+        """
+        return self.mesh.group_ranks("dp", index)
 
     def close(self):
         """Free the communicators and destroy the torch groups this manager created.
@@ -264,6 +340,7 @@ class DomainParallelManager:
         callbacks, self._close_callbacks = self._close_callbacks, []
         for callback in callbacks:
             callback(self)
+        self._device_mesh = None
         if self._torch_groups:
             bridge.destroy_torch_groups(self._torch_groups)
             self._torch_groups = ()
@@ -274,11 +351,10 @@ class DomainParallelManager:
             for private in self._private.values():
                 forget_timeout(private)
                 private.Free()
-            for name in ("_domain_comm", "_dp_comm", "_node_comm", "_comm"):
+            for name in ("_domain_comm", "_tp_comm", "_dp_comm", "_node_comm", "_comm"):
                 forget_timeout(getattr(self, name))
                 getattr(self, name).Free()
-        self._domain_group = None
-        self._dp_group = None
+        self._domain_group = self._tp_group = self._dp_group = None
 
     def __enter__(self):
         return self
@@ -295,12 +371,13 @@ class DomainParallelManager:
         state = "closed" if self._closed else f"rank={self._rank}"
         return (
             f"DomainParallelManager(world_size={self.world_size}, "
-            f"domain_parallel_size={self.domain_parallel_size}, shard_dim={self.shard_dim}, {state})"
+            f"domain_parallel_size={self.domain_parallel_size}, shard_dim={self.shard_dim}, "
+            f"{f'tensor_parallel_size={self.tensor_parallel_size}, ' if self.tensor_parallel_size > 1 else ''}{state})"
         )
 
 
 def library_comm(manager, group="domain"):
-    """Return the library's private communicator of ``manager``: ``"domain"``, ``"data"`` or ``"world"``.
+    """Return the library's private communicator of ``manager``: ``"domain"``, ``"tp"``, ``"data"`` or ``"world"``.
 
     ``"world"`` is the private duplicate of the parent communicator the
     groups were split from. The library's own messages travel only on these;
@@ -343,7 +420,8 @@ def _plain(policy):
     return list(policy) if isinstance(policy, tuple) else policy
 
 
-def initialize_domain_parallel(world_size, domain_parallel_size, shard_dim=-2, *, abort_on_error=None, **options):
+def initialize_domain_parallel(world_size, domain_parallel_size, shard_dim=-2, *, tensor_parallel_size=1,
+                               abort_on_error=None, **options):
     """Initialise the global :class:`DomainParallelManager` singleton and return it.
 
     Collective over ``options.get("comm", MPI.COMM_WORLD)``: call on all ranks
@@ -355,10 +433,12 @@ def initialize_domain_parallel(world_size, domain_parallel_size, shard_dim=-2, *
     :param world_size: Number of ranks in the communicator.
     :param domain_parallel_size: Ranks per domain group.
     :param shard_dim: Spatial dimension to shard (-2 for latitude in BCHW).
+    :param tensor_parallel_size: Ranks per tensor-parallel group (see :class:`DomainParallelManager`).
     :param options: ``comm``, ``torch_bridge``, ``bind_device``: passed to the manager.
     """
     global _MANAGER
-    manager = DomainParallelManager(world_size, domain_parallel_size, shard_dim, **options)
+    manager = DomainParallelManager(world_size, domain_parallel_size, shard_dim,
+                                    tensor_parallel_size=tensor_parallel_size, **options)
     previous, _MANAGER = _MANAGER, manager
     if previous is not None:
         previous.close()

@@ -14,7 +14,8 @@ from .manager import get_domain_parallel_manager, library_comm
 
 __all__ = ["allreduce", "group_communicator"]
 
-GROUPS = ("domain", "data_parallel")
+GROUPS = ("domain", "tensor_parallel", "data_parallel")
+_PRIVATE = {"domain": "domain", "tensor_parallel": "tp", "data_parallel": "data"}
 _MPI_OPS = {"sum": "SUM", "mean": "SUM", "max": "MAX", "min": "MIN", "prod": "PROD"}
 _HALF = ("float16", "bfloat16")
 
@@ -22,7 +23,7 @@ _HALF = ("float16", "bfloat16")
 def group_communicator(group, manager=None):
     """Return the mpi4py communicator ``group`` names, or None for a one-process job with no manager.
 
-    ``group`` is ``"domain"``, ``"data_parallel"`` (the library's private
+    ``group`` is ``"domain"``, ``"tensor_parallel"``, ``"data_parallel"`` (the library's private
     duplicates of the manager's groups, so its messages never meet the
     user's; ``manager`` defaults to the initialised one) or an mpi4py
     intracommunicator, returned as it is. Local: no communication. A group
@@ -44,7 +45,7 @@ def group_communicator(group, manager=None):
             return None
         if manager.closed:
             raise RuntimeError(f"{manager!r} is closed; pass an open manager or call initialize_domain_parallel again")
-        return library_comm(manager, "domain" if group == "domain" else "data")
+        return library_comm(manager, _PRIVATE[group])
     if not isinstance(group, mpi().Intracomm):
         raise TypeError(
             f"group must be one of {GROUPS} or an mpi4py intracommunicator, got {type(group).__name__}"
@@ -103,7 +104,7 @@ def allreduce(x, op="sum", group="domain", manager=None):
     Collective over ``group``: call on all its ranks with the same ``op`` and
     arrays of the same shape and dtype. ``op`` is ``"sum"``, ``"mean"``,
     ``"max"``, ``"min"`` or ``"prod"``; ``group`` is ``"domain"``,
-    ``"data_parallel"`` or an mpi4py communicator. The result has ``x``'s
+    ``"tensor_parallel"``, ``"data_parallel"`` or an mpi4py communicator. The result has ``x``'s
     kind, dtype and device. Returns ``x`` itself when ``group`` is a name and
     there is no manager in a one-process job (a group of one rank); with
     several processes and no manager, a group name is a RuntimeError.

@@ -11,8 +11,9 @@ import inspect
 import ipaddress
 import os
 import socket
+import sys
 
-from ._mpi import check_same, mpi, raise_on_all_ranks
+from ._mpi import check_same, error_report, mpi, raise_on_all_ranks, raise_reported
 
 __all__ = [
     "init_torch_distributed",
@@ -21,6 +22,7 @@ __all__ = [
     "acquire_default_group",
     "release_default_group",
     "new_torch_groups",
+    "device_mesh",
     "destroy_torch_groups",
 ]
 
@@ -117,27 +119,24 @@ def _bound_device(torch, local_rank):
     return torch.device("cuda", torch.cuda.current_device())
 
 
-def _check_existing(dist, comm, states):
-    """Raise on every rank unless torch.distributed is initialised everywhere with MPI's rank and size.
+def _check_existing(states, size):
+    """Raise, alike on every rank, unless torch.distributed is initialised everywhere with MPI's rank and size.
 
-    ``states`` is every rank's ``dist.is_initialized()``.
+    ``states`` is every rank's ``(torch rank, torch world size)``, or False
+    where torch.distributed is not initialised. Local: the states are gathered.
     """
-    rank, size = comm.Get_rank(), comm.Get_size()
-    error = None
     if not all(states):
         missing = [r for r, s in enumerate(states) if not s]
-        error = RuntimeError(
+        raise RuntimeError(
             f"torch.distributed is initialised on some ranks but not on ranks {missing}; "
             "initialise it on every rank or on none (init_torch_distributed does it for you)"
         )
-    elif (dist.get_rank(), dist.get_world_size()) != (rank, size):
-        error = RuntimeError(
-            f"torch.distributed is already initialised with rank {dist.get_rank()} of "
-            f"{dist.get_world_size()}, but this process is MPI rank {rank} of {size}; initialise "
-            "torch.distributed with MPI's rank and size (or let init_torch_distributed do it), "
-            "or pass the matching communicator as comm="
-        )
-    raise_on_all_ranks(comm, error)
+    reports = [None if state == (rank, size) else error_report(RuntimeError(
+        f"torch.distributed is already initialised with rank {state[0]} of {state[1]}, but this process is "
+        f"MPI rank {rank} of {size}; initialise torch.distributed with MPI's rank and size (or let "
+        "init_torch_distributed do it), or pass the matching communicator as comm="))
+        for rank, state in enumerate(states)]
+    raise_reported(reports)
 
 
 def init_torch_distributed(backend=None, *, comm=None, timeout=None):
@@ -181,10 +180,14 @@ def init_torch_distributed(backend=None, *, comm=None, timeout=None):
             timeout = _timedelta(timeout)
         except TypeError as bad:
             error = bad
-    raise_on_all_ranks(comm, error)
-    states = comm.allgather(dist.is_initialized())
+    state = None
+    if error is None:
+        state = dist.is_initialized() and (dist.get_rank(), dist.get_world_size())
+    gathered = comm.allgather((error_report(error), state))  # one step: errors, and who is initialised
+    raise_reported([report for report, _ in gathered], error)
+    states = [state for _, state in gathered]
     if any(states):
-        _check_existing(dist, comm, states)
+        _check_existing(states, comm.Get_size())
         return False
 
     if backend is None:
@@ -254,18 +257,19 @@ def release_default_group(group):
         _managed_default_group = None
 
 
-def new_torch_groups(domain_groups, data_parallel_groups):
-    """Create torch groups with exactly these memberships; return (this rank's domain group, its data-parallel group).
+def new_torch_groups(axes):
+    """Create torch groups with exactly these memberships; return this rank's group along each axis.
 
-    Collective over torch's default group: every rank passes the same lists of
-    ascending global ranks, and the groups are created in that order everywhere
-    (the order NCCL's communicator splits need).
+    ``axes`` is a list, per axis, of every group's ascending global ranks.
+    Collective over torch's default group: every rank passes the same lists,
+    and the groups are created in that order everywhere (the order NCCL's
+    communicator splits need).
     """
     import torch.distributed as dist
 
     rank = dist.get_rank()
     mine = []
-    for groups in (domain_groups, data_parallel_groups):
+    for groups in axes:
         for ranks in groups:
             group = dist.new_group(ranks)
             if rank in ranks:
@@ -273,10 +277,41 @@ def new_torch_groups(domain_groups, data_parallel_groups):
     return tuple(mine)
 
 
+def device_mesh(groups, layout, names):
+    """Return a torch ``DeviceMesh`` whose dims are ``groups`` (this rank's group per dim), in order.
+
+    ``layout`` is the nested list of global ranks (``layout[i][j]...``), ``names``
+    the dim names. The device type is CUDA when the default group is NCCL, else
+    CPU. Local: the groups exist already, nothing is communicated.
+    """
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    device_type = "cuda" if "nccl" in str(dist.get_backend()) else "cpu"
+    return DeviceMesh.from_group(list(groups), device_type, mesh=layout, mesh_dim_names=tuple(names))
+
+
 def destroy_torch_groups(groups):
-    """Destroy torch groups this rank belongs to. Collective over their members."""
+    """Destroy torch groups this rank belongs to, and forget DTensor plans made over them.
+
+    Collective over their members. DTensor caches its sharding and
+    redistribution plans by mesh equality, which ignores the groups, so a
+    later mesh of the same shape over new groups would run a cached plan on
+    the destroyed ones ("Could not resolve the process group"); the caches are
+    cleared (they refill on the next DTensor operation).
+    """
     import torch.distributed as dist
 
     for group in groups:
         if dist.is_initialized():
             dist.destroy_process_group(group)
+    if "torch.distributed.tensor" in sys.modules:
+        _clear_dtensor_caches()
+
+
+def _clear_dtensor_caches():
+    """Clear DTensor's sharding-propagation caches (Python and C++) and its redistribution planner's."""
+    from torch.distributed.tensor import _redistribute, debug
+
+    debug._clear_sharding_prop_cache()
+    _redistribute._gen_transform_infos.cache_clear()

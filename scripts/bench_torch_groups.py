@@ -1,12 +1,12 @@
 """Cost of creating the manager's torch groups, three ways, at the world size it runs on.
 
-    mpiexec -n 8 python scripts/bench_torch_groups.py [--domain-parallel-size 2] [--repeats 5]
+    mpiexec -n 8 python scripts/bench_torch_groups.py [-D 2] [-T 1] [--repeats 5]
 
-Baseline: ``new_group`` for every domain and data-parallel group on every rank
+Baseline: ``new_group`` for every domain, tensor- and data-parallel group on every rank
 (CREDIT's way, and what mpidomain does). Compared with
 ``new_subgroups_by_enumeration`` (one call per kind of group) and
 ``new_group(ranks, use_local_synchronization=True)`` called only for this
-rank's two groups. Each way is checked (members, rank order, an all_reduce)
+rank's three groups. Each way is checked (members, rank order, an all_reduce)
 and timed from an MPI barrier to the slowest rank's finish; the ways take
 turns, and the median of the repeats is printed with its ratio to the baseline.
 
@@ -29,19 +29,17 @@ import mpidomain
 from mpidomain.torch_bridge import destroy_torch_groups, new_torch_groups
 
 
-def every_group_on_every_rank(domain_groups, dp_groups):
-    return new_torch_groups(domain_groups, dp_groups)
+def every_group_on_every_rank(axes):
+    return new_torch_groups(axes)
 
 
-def by_enumeration(domain_groups, dp_groups):
-    domain, _ = dist.new_subgroups_by_enumeration(domain_groups)
-    dp, _ = dist.new_subgroups_by_enumeration(dp_groups)
-    return domain, dp
+def by_enumeration(axes):
+    return tuple(dist.new_subgroups_by_enumeration(groups)[0] for groups in axes)
 
 
-def own_groups_locally_synchronised(domain_groups, dp_groups):
+def own_groups_locally_synchronised(axes):
     rank = dist.get_rank()
-    mine = [ranks for groups in (domain_groups, dp_groups) for ranks in groups if rank in ranks]
+    mine = [ranks for groups in axes for ranks in groups if rank in ranks]
     return tuple(dist.new_group(ranks, use_local_synchronization=True) for ranks in mine)
 
 
@@ -65,14 +63,16 @@ def check(groups, expected):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--domain-parallel-size", "-D", type=int, default=2)
+    parser.add_argument("--tensor-parallel-size", "-T", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     world = MPI.COMM_WORLD
-    manager = mpidomain.DomainParallelManager(world.size, args.domain_parallel_size)
+    manager = mpidomain.DomainParallelManager(world.size, args.domain_parallel_size,
+                                              tensor_parallel_size=args.tensor_parallel_size)
     mpidomain.init_torch_distributed(backend="gloo")
-    domain_groups = [manager.domain_group_ranks(i) for i in range(manager.data_parallel_size)]
-    dp_groups = [manager.data_parallel_group_ranks(i) for i in range(manager.domain_parallel_size)]
-    expected = (manager.domain_group_ranks(), manager.data_parallel_group_ranks())
+    names = ("domain", "tp", "dp")
+    axes = [manager.mesh.groups(name) for name in names]
+    expected = tuple(manager.mesh.group_ranks(name) for name in names)
 
     times = {name: [] for name, _, _ in WAYS}
     for repeat in range(args.repeats):
@@ -81,7 +81,7 @@ def main():
                 continue
             world.Barrier()
             start = time.perf_counter()
-            groups = way(domain_groups, dp_groups)
+            groups = way(axes)
             elapsed = world.allreduce(time.perf_counter() - start, op=MPI.MAX)
             check(groups, expected)
             world.Barrier()
@@ -90,9 +90,9 @@ def main():
     medians = {name: statistics.median(t) for name, t in times.items()}
 
     if world.rank == 0:
-        print(f"torch {torch.__version__}, gloo, {world.size} ranks, D={manager.domain_parallel_size}: "
-              f"{len(domain_groups)} domain + {len(dp_groups)} data-parallel groups; "
-              "slowest rank")
+        counts = " + ".join(f"{len(groups)} {name}" for name, groups in zip(names, axes))
+        print(f"torch {torch.__version__}, gloo, {world.size} ranks, T={manager.tensor_parallel_size}, "
+              f"D={manager.domain_parallel_size}: {counts} groups; slowest rank")
         baseline = medians[WAYS[0][0]]
         for name, _, _ in WAYS:
             print(f"  {name:55s} {medians[name] * 1e3:9.1f} ms   x{medians[name] / baseline:5.2f}"

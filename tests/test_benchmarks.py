@@ -55,3 +55,16 @@ def test_bench_collectives_prints_ratios(world):
                          timeout=300)
         assert result.returncode == 0, result.stderr
         assert "vs raw MPI" in result.stdout and "mpidomain gather_tensor" in result.stdout, result.stdout
+
+
+def test_bench_mesh_prints_ratios(world):
+    pytest.importorskip("torch")
+    if world.rank == 0:
+        result = run_mpi(4, [_script("bench_mesh.py"), "-T", "2", "-D", "2", "--repeats", "2"], timeout=240)
+        assert result.returncode == 0, result.stderr
+        lines = result.stdout.splitlines()
+        assert lines[0] == "4 ranks, mesh (dp, tp, domain) = (1, 2, 2): MPI communicators, slowest rank", lines
+        assert "Split x 3 (the manager's way)" in lines[1] and "x 1.00" in lines[1]
+        assert "Create_cart + Sub x 3" in lines[2] and "DomainParallelManager" in lines[3]
+        assert "init_device_mesh (baseline)" in lines[5] and "x 1.00" in lines[5]
+        assert "DomainParallelManager(torch_bridge=True) + device_mesh" in lines[6]

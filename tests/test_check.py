@@ -30,7 +30,7 @@ def test_check_passes(world, capsys, fresh_manager, d_index):
         assert ("slowest link: rank" in out) == (d > 1)
         verdict = out.strip().splitlines()[-1]
         assert verdict.startswith("check passed: halo exchange and shard/gather exact;"), verdict
-        assert f"{world.size} ranks on 1 node(s), D={d}, cpu" in verdict
+        assert f"{world.size} ranks on 1 node(s), D={d}, T=1, dp={world.size // d}, cpu" in verdict
 
 
 def test_check_names_the_failing_step_and_ranks(world, capsys, fresh_manager, monkeypatch):
@@ -93,7 +93,7 @@ def test_check_in_a_fresh_four_rank_job(world):
         result = run_mpi(4, ["-m", "mpidomain", "check", "-D", "2", "--repeats", "3"], timeout=240)
         assert result.returncode == 0, result.stdout + result.stderr
         lines = result.stdout.strip().splitlines()
-        assert lines[0].startswith("mpidomain check: 4 ranks, D=2, device cpu, global shape (1, 32, 32, 1440)")
+        assert lines[0].startswith("mpidomain check: 4 ranks, D=2, T=1, dp=2, device cpu, global shape (1, 32, 32, 1440)")
         assert "domain groups     : [0,1] [2,3]" in result.stdout
         assert re.search(r"slowest link: rank (0 <-> rank 1|2 <-> rank 3) \(", result.stdout)
         assert lines[-1].startswith("check passed:"), result.stdout

@@ -68,7 +68,7 @@ def test_errors(world):
     with DomainParallelManager(world.size, 1) as m:
         with pytest.raises(ValueError, match=r"op must be one of \('sum', 'mean', 'max', 'min', 'prod'\), got 'avg'"):
             allreduce(np.ones(3), "avg", "domain", m)
-        with pytest.raises(ValueError, match=r"group must be one of \('domain', 'data_parallel'\) or an mpi4py communicator, got 'dp'"):
+        with pytest.raises(ValueError, match=r"group must be one of \('domain', 'tensor_parallel', 'data_parallel'\) or an mpi4py communicator, got 'dp'"):
             allreduce(np.ones(3), "sum", "dp", m)
         with pytest.raises(TypeError, match="group must be one of .* or an mpi4py intracommunicator, got int"):
             allreduce(np.ones(3), "sum", 3, m)

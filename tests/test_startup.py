@@ -23,14 +23,15 @@ def test_seed_layout_with_eight_ranks(world):
         assert "world size        : 8" in out
         assert "domain groups     : [0,1] [2,3] [4,5] [6,7]" in out
         assert "data-parallel grps: [0,2,4,6] [1,3,5,7]" in out
+        assert "tensor-par. grps  : [0] [1] [2] [3] [4] [5] [6] [7]" in out
         assert ("Open MPI mpirun" if open_mpi() else "MPICH Hydra") in out
         rows = [line.split() for line in out.splitlines() if re.match(r"\s+\d+\s", line)]
         assert len(rows) == 8
         for row in rows:
             rank = int(row[0])
-            domain_group, domain_rank, dp_group, dp_rank, prev, nxt = row[4:10]
-            assert (int(domain_group), int(domain_rank)) == (rank // 2, rank % 2)
-            assert (int(dp_group), int(dp_rank)) == (rank % 2, rank // 2)
+            dp, tp, domain, domain_group, prev, nxt = row[4:10]
+            assert (int(dp), int(tp), int(domain)) == (rank // 2, 0, rank % 2)
+            assert int(domain_group) == rank // 2
             assert prev == ("-" if rank % 2 == 0 else str(rank - 1))
             assert nxt == ("-" if rank % 2 == 1 else str(rank + 1))
 

@@ -419,6 +419,6 @@ def test_group_creation_benchmark_prints_ratios(world):
         result = run_mpi(4, [script, "--repeats", "2"], timeout=240)
         assert result.returncode == 0, result.stderr
         lines = result.stdout.splitlines()
-        assert "4 ranks, D=2: 2 domain + 2 data-parallel groups" in lines[0], result.stdout
+        assert "4 ranks, T=1, D=2: 2 domain + 4 tp + 2 dp groups" in lines[0], result.stdout
         assert "(baseline)" in lines[1] and "x 1.00" in lines[1]
         assert "new_subgroups_by_enumeration" in lines[2] and "use_local_synchronization" in lines[3]

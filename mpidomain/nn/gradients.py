@@ -77,11 +77,15 @@ def allreduce_gradients(module_or_params, group="data_parallel", op="mean", mana
                         bucket_bytes=DEFAULT_BUCKET_BYTES):
     """Replace every parameter's ``.grad`` by its mean (or sum) over ``group``; return the bucket count.
 
-    Collective over ``group`` (``"data_parallel"``, ``"domain"`` or an mpi4py
-    communicator): call on all its ranks with the same arguments, after the
+    Collective over ``group`` (``"data_parallel"``, ``"domain"``,
+    ``"tensor_parallel"`` or an mpi4py communicator): call on all its ranks with the same arguments, after the
     backward pass, with the same model. Each rank's gradients become the
     element-wise mean (``op="mean"``) or sum (``op="sum"``) of all ranks'
-    gradients, in place. Parameters whose ``.grad`` is None are skipped; which
+    gradients, in place. A DTensor gradient (FSDP2, tensor parallelism)
+    contributes its local shard, which every rank of the group must hold
+    alike, as the ranks of a domain group on a mesh do (``group="domain"``
+    after an FSDP2 backward sums the domain shards' parts of each gradient
+    shard). Parameters whose ``.grad`` is None are skipped; which
     ones have gradients, and their shapes and dtypes, must agree across ranks,
     or every rank raises ValueError listing what each had (one small Allreduce
     checks it). Gradients travel in flat buckets of about ``bucket_bytes``
@@ -92,20 +96,31 @@ def allreduce_gradients(module_or_params, group="data_parallel", op="mean", mana
     params = _parameters(module_or_params)
     comm = group_communicator(group, manager)
     error = _local_error(op, bucket_bytes, params)
-    entries = [(index, tuple(p.grad.shape), str(p.grad.dtype), p.grad.device.type)
-               for index, p in enumerate(params) if p.grad is not None]
+    with torch.no_grad():
+        local = {index: _local(p.grad) for index, p in enumerate(params) if p.grad is not None}
+    entries = [(index, tuple(g.shape), str(g.dtype), g.device.type) for index, g in local.items()]
     if comm is None or comm.Get_size() == 1:
         if error is not None:
             raise error
         return 0
     agree(comm, "allreduce_gradients", (op, bucket_bytes, len(params), entries), error=error, mismatch=_mismatch)
-    grads = [params[index].grad for index, *_ in entries]
+    grads = [local[index] for index, *_ in entries]
     buckets = _buckets(grads, bucket_bytes)
     staging = None
     with torch.no_grad():
         for bucket in buckets:
             staging = _reduce_bucket(bucket, op, comm, staging)
     return len(buckets)
+
+
+def _local(grad):
+    """Return the tensor this rank holds of ``grad``: a DTensor's local shard (FSDP2, tensor parallelism), else itself.
+
+    Reducing the local shards over a group whose ranks hold the same shard (a
+    domain group of a mesh) reduces the whole gradient.
+    """
+    to_local = getattr(grad, "to_local", None)
+    return grad if to_local is None else to_local()
 
 
 def _reduce_dtype(dtype):
