@@ -35,7 +35,8 @@ def master_address(environ=None):
     """Return the rendezvous host: ``MASTER_ADDR`` if set, else a non-loopback address of this host, else its name.
 
     The address comes from resolving the host's names, then from the source
-    address of its default routes (link-local addresses are skipped).
+    address of its default routes, then from its network interfaces
+    (link-local addresses are skipped).
     """
     env = os.environ if environ is None else environ
     if env.get("MASTER_ADDR"):
@@ -66,7 +67,7 @@ def master_port(environ=None):
 
 
 def _host_addresses():
-    """Yield this host's addresses: its names' resolutions, then the source of its default routes."""
+    """Yield this host's addresses: its names' resolutions, the source of its default routes, its interfaces'."""
     for name in dict.fromkeys((socket.gethostname(), socket.getfqdn())):
         try:
             for info in socket.getaddrinfo(name, None, type=socket.SOCK_STREAM):
@@ -81,6 +82,28 @@ def _host_addresses():
                 yield probe.getsockname()[0]
         except OSError:
             continue
+    # A node whose name resolves nowhere and that has no default route (a cluster network with
+    # no way out) still has addresses on its interfaces.
+    yield from _interface_addresses()
+
+
+def _interface_addresses():
+    """Yield the IPv4 address of each network interface, in interface order (Linux; elsewhere nothing)."""
+    try:
+        import fcntl
+        import struct
+
+        names = [name for _, name in socket.if_nameindex()]
+    except (ImportError, OSError, AttributeError):
+        return
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        for name in names:
+            try:
+                request = struct.pack("256s", name.encode()[:15])
+                reply = fcntl.ioctl(probe.fileno(), 0x8915, request)  # SIOCGIFADDR
+            except OSError:  # no IPv4 address on this interface
+                continue
+            yield socket.inet_ntoa(reply[20:24])
 
 
 def _non_loopback_address():

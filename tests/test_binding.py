@@ -44,11 +44,13 @@ def test_auto_is_local_rank_modulo_device_count(world, monkeypatch):
     result, messages = bind("auto")
     assert result.device == node.rank % 2 and devices.selected == [node.rank % 2]
     assert result.identity == f"GPU-{host}-{'ab'[node.rank % 2]}" and result.library == "fake"
-    same_gpu = [r for r in world.allgather((node.rank % 2, world.rank)) if r[0] == node.rank % 2]
-    assert sorted(result.shared_with) == sorted(r for _, r in same_gpu if r != world.rank)
+    same_gpu = [r for d, h, r in world.allgather((node.rank % 2, host, world.rank)) if (d, h) == (node.rank % 2, host)]
+    assert sorted(result.shared_with) == sorted(r for r in same_gpu if r != world.rank)
     # More ranks on the node than GPUs: rank 0 warns, naming the ranks that share.
     if world.rank == 0 and node.size > 2:
         assert len(messages) == 1 and "ranks 0,2" in messages[0], messages
+    elif world.rank == 0 and world.allreduce(node.size, op=MPI.MAX) > 2:
+        assert len(messages) == 1, messages  # another node's ranks share
     else:
         assert messages == []
     node.Free()
@@ -65,9 +67,11 @@ def test_launcher_gave_each_rank_its_own_gpu(world, monkeypatch):
 def test_launcher_gave_every_rank_the_same_gpu(world, monkeypatch):
     inject(monkeypatch, FakeDevices(["GPU-one"]))
     result, messages = bind("auto")
-    assert result.shared_with == tuple(r for r in range(world.size) if r != world.rank)
-    if world.rank == 0 and world.size > 1:
-        assert len(messages) == 1 and f"ranks {','.join(map(str, range(world.size)))} on GPU-one" in messages[0]
+    hosts = world.allgather(socket.gethostname())
+    assert result.shared_with == tuple(r for r in range(world.size) if r != world.rank and hosts[r] == hosts[world.rank])
+    sharing = [r for r in range(world.size) if hosts.count(hosts[r]) > 1]
+    if world.rank == 0 and sharing:
+        assert len(messages) == 1 and f"ranks {','.join(map(str, sharing))} on GPU-one" in messages[0], messages
         assert "one rank per GPU" in messages[0]
     else:
         assert messages == []
@@ -76,7 +80,7 @@ def test_launcher_gave_every_rank_the_same_gpu(world, monkeypatch):
 def test_explicit_list_shares_on_purpose(world, monkeypatch):
     devices = inject(monkeypatch, FakeDevices(["GPU-x", "GPU-y"]))
     node = node_comm(world)
-    result, messages = bind([1] * node.size)
+    result, messages = bind([1] * world.allreduce(node.size, op=MPI.MAX))  # the same list on every node
     assert result.device == 1 and devices.selected == [1] and messages == []
     assert len(result.shared_with) == node.size - 1
     node.Free()
@@ -104,11 +108,12 @@ def test_bad_policies_are_errors_everywhere(world, monkeypatch, policy):
 def test_list_too_short_or_naming_missing_devices(world, monkeypatch):
     inject(monkeypatch, FakeDevices(["GPU-x", "GPU-y"]))
     node = node_comm(world)
-    if node.size > 1:
-        with pytest.raises(ValueError, match=f"names a device for 1 node-local ranks, but .* runs {node.size}"):
+    largest = world.allreduce(node.size, op=MPI.MAX)
+    if largest > 1:
+        with pytest.raises(ValueError, match=f"names a device for 1 node-local ranks, but .* runs {largest}"):
             mpidomain.bind_device([0])
     with pytest.raises(ValueError, match="device 2, but .* shows this rank 2 CUDA device"):
-        mpidomain.bind_device([2] * node.size)
+        mpidomain.bind_device([2] * largest)
     node.Free()
 
 

@@ -138,3 +138,15 @@ def test_torch_bridge_groups_are_torch(world, torch_world):
         assert isinstance(m.data_parallel_group, torch_world.ProcessGroup)
         assert isinstance(m.domain_comm, MPI.Intracomm) and isinstance(m.data_parallel_comm, MPI.Intracomm)
         assert m.torch_bridge
+
+
+@pytest.mark.parametrize("shared_roots, hosts, expected", [
+    ([0, 0, 2, 2], ["a", "a", "b", "b"], [0, 0, 2, 2]),                            # MPI's split is the node
+    ([0, 1, 2, 3, 4, 5, 6], list("aaabbcc"), [0, 0, 0, 3, 3, 5, 5]),                # no process mapping: by host
+    ([0, 0, 0, 0], ["c1", "c2", "c1", "c2"], [0, 0, 0, 0]),                         # containers on one machine
+    ([0, 1, 0, 1], ["a", "b", "a", "b"], [0, 1, 0, 1]),                             # cyclic placement
+])
+def test_node_roots_join_shared_memory_and_host_names(shared_roots, hosts, expected):
+    from mpidomain.manager import node_roots
+
+    assert node_roots(shared_roots, hosts) == expected

@@ -41,6 +41,24 @@ def test_master_address_falls_back_to_hostname(monkeypatch):
     assert torch_bridge.master_address({}) == "login3"
 
 
+def test_master_address_from_the_interfaces_where_names_and_routes_fail(monkeypatch):
+    """A cluster node whose name resolves nowhere and that has no default route (scripts/ci_cluster_up.sh's)."""
+    interfaces = [a for a in torch_bridge._interface_addresses() if not a.startswith("127.")]
+    if not interfaces:
+        pytest.skip("no interface with a non-loopback IPv4 address")
+
+    def unresolvable(*args, **kwargs):
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    class NoRoute(socket.socket):
+        def connect(self, address):
+            raise OSError(101, "Network is unreachable")
+
+    monkeypatch.setattr(socket, "getaddrinfo", unresolvable)
+    monkeypatch.setattr(socket, "socket", NoRoute)
+    assert torch_bridge.master_address({}) == interfaces[0]
+
+
 def test_master_address_of_this_host():
     address = torch_bridge.master_address({})
     if address != socket.gethostname():
