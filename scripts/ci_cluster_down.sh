@@ -12,17 +12,8 @@ bridge=mpdbr0
 state=/run/mpidomain-cluster
 conf=/etc/slurm-cluster/slurm.conf
 
-stop_pidfile() {
-  local pid
-  [ -f "$1" ] || return 0
-  pid="$(cat "$1")"
-  if kill -0 "$pid" 2>/dev/null; then
-    kill "$pid" 2>/dev/null || true
-    for _ in $(seq 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.2; done
-    kill -9 "$pid" 2>/dev/null || true
-  fi
-  rm -f "$1"
-}
+# shellcheck source=scripts/ci_slurm_lib.sh
+. "$(dirname "$0")/ci_slurm_lib.sh"
 
 # Cancel this cluster's jobs while slurmctld still answers (best effort, short).
 if [ -f "$conf" ] && [ -f "$state/slurmctld.pid" ] && kill -0 "$(cat "$state/slurmctld.pid")" 2>/dev/null; then

@@ -66,17 +66,13 @@ export SLURM_CONF="$conf"
 
 addr_of() { echo "$net.$((10 + $1))"; }
 
-if ! command -v slurmctld >/dev/null || ! command -v slurmd >/dev/null || ! command -v munged >/dev/null; then
-  echo "ci_cluster_up: installing slurm-wlm and munge"
-  export DEBIAN_FRONTEND=noninteractive
-  apt-get update -q >/dev/null
-  apt-get install -y -q --no-install-recommends slurm-wlm munge >/dev/null
-fi
+# shellcheck source=scripts/ci_slurm_lib.sh
+. "$(dirname "$0")/ci_slurm_lib.sh"
+install_slurm ci_cluster_up
 for tool in ip nsenter unshare; do
   command -v "$tool" >/dev/null || { echo "ci_cluster_up: needs $tool (iproute2, util-linux)" >&2; exit 1; }
 done
 
-running() { [ -f "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
 # Whether node $1's holder lives in the node's network namespace (a killed one can linger as a
 # zombie where init does not reap; a stale pid file can name an unrelated process).
 holder_ok() {
@@ -85,18 +81,6 @@ holder_ok() {
     [ "$(readlink "/proc/$(cat "$f")/ns/net" 2>/dev/null)" = "net:[$(stat -L -c %i "/run/netns/$1")]" ]
 }
 stop_holder() { if holder_ok "$1"; then stop_pidfile "$state/holder-$1.pid"; else rm -f "$state/holder-$1.pid"; fi; }
-stop_pidfile() {  # stop the daemon of a pid file and wait (up to 10 s) until it is gone
-  local pid
-  [ -f "$1" ] || return 0
-  pid="$(cat "$1")"
-  if kill -0 "$pid" 2>/dev/null; then
-    kill "$pid" 2>/dev/null || true
-    for _ in $(seq 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.2; done
-    kill -9 "$pid" 2>/dev/null || true
-  fi
-  rm -f "$1"
-}
-
 drop_node_namespaces() {  # unmount and remove the UTS and mount namespace files of a node
   local f
   for f in "$state/ns/uts-$1" "$state/ns/mnt-$1"; do
@@ -195,20 +179,7 @@ ClusterName=mpidomain-cluster
 SlurmctldHost=$ctl_host($bridge_addr)
 SlurmctldPort=$ctld_port
 SlurmdPort=$slurmd_port
-SlurmUser=root
-SlurmdUser=root
-AuthType=auth/munge
-CredType=cred/munge
-MpiDefault=pmi2
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
-JobAcctGatherType=jobacct_gather/none
-AccountingStorageType=accounting_storage/none
-SchedulerType=sched/backfill
-SelectType=select/cons_tres
-SelectTypeParameters=CR_Core
-SlurmdParameters=config_overrides
-ReturnToService=2
+$(slurm_common_settings)
 StateSaveLocation=$spool/slurmctld
 SlurmdSpoolDir=$spool/slurmd-%n
 SlurmctldPidFile=$state/slurmctld.pid
@@ -230,12 +201,8 @@ if [ ! -f "$conf" ] || [ "$(cat "$conf")" != "$wanted" ]; then
   changed=1
 fi
 
-mkdir -p /run/munge "$spool/slurmctld"
-chown munge:munge /run/munge
-if ! running /run/munge/munged.pid; then
-  echo "ci_cluster_up: starting munged"
-  runuser -u munge -- /usr/sbin/munged
-fi
+mkdir -p "$spool/slurmctld"
+start_munged ci_cluster_up
 
 # A changed node list needs a restart of slurmctld and of every slurmd (scontrol reconfigure
 # does not add or remove nodes).

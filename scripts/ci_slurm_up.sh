@@ -14,32 +14,16 @@ cpus="${MPIDOMAIN_SLURM_CPUS:-8}"
 host="$(hostname -s)"
 conf=/etc/slurm/slurm.conf
 
-if ! command -v slurmctld >/dev/null || ! command -v munged >/dev/null; then
-  echo "ci_slurm_up: installing slurm-wlm and munge"
-  export DEBIAN_FRONTEND=noninteractive
-  apt-get update -q >/dev/null
-  apt-get install -y -q --no-install-recommends slurm-wlm munge >/dev/null
-fi
+# shellcheck source=scripts/ci_slurm_lib.sh
+. "$(dirname "$0")/ci_slurm_lib.sh"
+install_slurm ci_slurm_up
 
 mkdir -p /etc/slurm /var/spool/slurmctld /var/spool/slurmd /var/log/slurm /run/munge
 wanted="$(cat <<EOF
 # Written by mpidomain's scripts/ci_slurm_up.sh: one node, for CI.
 ClusterName=mpidomain-ci
 SlurmctldHost=$host
-SlurmUser=root
-SlurmdUser=root
-AuthType=auth/munge
-CredType=cred/munge
-MpiDefault=pmi2
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
-JobAcctGatherType=jobacct_gather/none
-AccountingStorageType=accounting_storage/none
-SchedulerType=sched/backfill
-SelectType=select/cons_tres
-SelectTypeParameters=CR_Core
-SlurmdParameters=config_overrides
-ReturnToService=2
+$(slurm_common_settings)
 StateSaveLocation=/var/spool/slurmctld
 SlurmdSpoolDir=/var/spool/slurmd
 SlurmctldPidFile=/run/slurmctld.pid
@@ -61,13 +45,7 @@ if [ ! -f "$conf" ] || [ "$(cat "$conf")" != "$wanted" ]; then
   changed=1
 fi
 
-running() { [ -f "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
-
-chown munge:munge /run/munge
-if ! running /run/munge/munged.pid; then
-  echo "ci_slurm_up: starting munged"
-  runuser -u munge -- /usr/sbin/munged
-fi
+start_munged ci_slurm_up
 if ! running /run/slurmctld.pid; then
   echo "ci_slurm_up: starting slurmctld"
   /usr/sbin/slurmctld -i
