@@ -104,3 +104,16 @@ def open_mpi_env():
 
 # srun --mpi=pmi2 (the CI cluster's plugin) starts MPICH-family programs; Open MPI 5 speaks PMIx only.
 needs_pmi2 = pytest.mark.skipif(open_mpi(), reason="srun --mpi=pmi2 cannot start Open MPI 5 programs (PMIx only)")
+
+
+def share(world, value, root=0):
+    """Return ``root``'s ``value`` on every rank, waiting politely for it.
+
+    For the pattern where one rank runs a fresh job and the others wait: a plain
+    ``bcast`` busy-polls a core on every waiting rank, which the job then lacks
+    (the suite oversubscribes its cores).
+    """
+    from mpidomain._mpi import wait_politely
+
+    wait_politely(world.Ibarrier())
+    return world.bcast(value, root=root)

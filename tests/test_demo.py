@@ -4,7 +4,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from mpitest import run_mpi  # noqa: E402
+from mpitest import run_mpi, share  # noqa: E402
 
 
 def test_demo_in_process(world, fresh_manager):
@@ -23,7 +23,7 @@ def _demo(world, n, args):
     if world.rank == 0:
         done = run_mpi(n, ["-m", "mpidomain", "demo", *args], timeout=240)
         result = (done.returncode, done.stdout, done.stderr)
-    return world.bcast(result)
+    return share(world, result)
 
 
 def test_demo_on_four_ranks(world):

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from mpitest import REPO, run_mpi
+from mpitest import REPO, run_mpi, share
 
 README = os.path.join(REPO, "README.md")
 
@@ -30,6 +30,6 @@ def test_readme_block_runs_verbatim(world, tmp_path_factory, index):
         started = time.monotonic()
         done = run_mpi(4, [str(script)], timeout=180)
         result = (done.returncode, done.stdout, done.stderr, time.monotonic() - started)
-    status, stdout, stderr, _ = world.bcast(result)
+    status, stdout, stderr, _ = share(world, result)
     assert status == 0, f"README block {index} failed:\n{python_blocks()[index]}\n{stderr[-3000:]}"
     assert stdout.count("rank") >= 4, stdout  # every block prints a line per rank

@@ -17,7 +17,7 @@ import mpidomain
 import mpidomain.nn
 from mpidomain import (DomainParallelManager, allreduce, gather_tensor, halo, halo_exchange, plan_cache,
                        scatter_tensor, sharding)
-from mpitest import run_mpi
+from mpitest import run_mpi, share
 
 torch = pytest.importorskip("torch")
 
@@ -235,7 +235,7 @@ def _run_cli(world, args):
     if world.rank == 0:
         done = run_mpi(2, ["-m", "mpidomain", *args], timeout=60)
         result = (done.returncode, done.stderr)
-    return world.bcast(result)
+    return share(world, result)
 
 
 @pytest.mark.parametrize("args, message", [
