@@ -246,6 +246,25 @@ if [ "$all_idle" != 1 ]; then
   exit 1
 fi
 
+# -- Wait until every node reaches every other node's slurmd (a link just brought back up can
+# drop packets for a few seconds, and a launcher connecting then gets "No route to host") ----------
+reached=0
+for _ in $(seq 60); do
+  reached=1
+  for i in $(seq 0 $((nodes - 1))); do
+    for j in $(seq 0 $((nodes - 1))); do
+      ip netns exec "$prefix$i" timeout 2 bash -c "</dev/tcp/$(addr_of "$j")/$slurmd_port" 2>/dev/null \
+        || { reached=0; break 2; }
+    done
+  done
+  [ "$reached" = 1 ] && break
+  sleep 1
+done
+if [ "$reached" != 1 ]; then
+  echo "ci_cluster_up: node $prefix$i does not reach $prefix$j ($(addr_of "$j"):$slurmd_port)" >&2
+  exit 1
+fi
+
 echo "ci_cluster_up: $nodes nodes up, $cpus CPUs each (slurmctld at $bridge_addr:$ctld_port, bridge $bridge):"
 for k in $(seq 0 $((nodes - 1))); do
   st="$(printf '%s\n' "$states" | awk -v n="$prefix$k" '$1 == n {print $2; exit}')"
