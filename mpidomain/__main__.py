@@ -18,8 +18,9 @@ from .manager import initialize_domain_parallel, library_comm
 
 def _common(parser):
     parser.add_argument(
-        "--domain-parallel-size", "-D", type=int, default=None,
-        help="ranks per domain group (default: all ranks of a tensor-parallel replica in one group)",
+        "--domain-parallel-size", "-D", type=_domain_size, default=None, metavar="D|DLATxDLON",
+        help="ranks per domain group, or latitude x longitude tiles such as 2x2 (default: all ranks of a "
+             "tensor-parallel replica in one group of latitude slabs)",
     )
     parser.add_argument(
         "--tensor-parallel-size", "-T", type=int, default=1,
@@ -54,7 +55,8 @@ def _parser():
     test.add_argument("--halo-width", type=int, default=2, help="ghost rows on each side (default: 2)")
     test.add_argument("--repeats", type=int, default=20, help="round trips per bandwidth measurement (default: 20)")
     demo = commands.add_parser("demo", help="train a small U-Net domain-parallel and on one process; compare")
-    demo.add_argument("--domain-parallel-size", "-D", type=int, default=2, help="ranks per domain group (default: 2)")
+    demo.add_argument("--domain-parallel-size", "-D", type=_domain_size, default=2, metavar="D|DLATxDLON",
+                      help="ranks per domain group, or latitude x longitude tiles such as 2x2 (default: 2)")
     demo.add_argument("--steps", type=int, default=5, help="training steps (default: 5)")
     demo.add_argument("--size", type=_size, default=(128, 256), metavar="HxW",
                       help="latitudes x longitudes of the synthetic fields (default: 128x256)")
@@ -84,6 +86,17 @@ def _shape(text):
     return shape
 
 
+def _domain_size(text):
+    """Parse -D: an int (latitude slabs) or DLATxDLON (tiles), e.g. 4 or 2x2."""
+    try:
+        parts = tuple(int(n) for n in text.lower().split("x"))
+    except ValueError:
+        parts = ()
+    if len(parts) not in (1, 2):
+        raise argparse.ArgumentTypeError(f"expected a rank count such as 4 or tiles such as 2x2, got {text!r}")
+    return parts[0] if len(parts) == 1 else parts
+
+
 def _size(text):
     """Parse --size: HxW, two positive extents."""
     try:
@@ -108,7 +121,8 @@ def _manager(args, size):
     binding._find_devices(import_libraries=True)
     t = args.tensor_parallel_size
     d = (size // t if t >= 1 and size % t == 0 else size) if args.domain_parallel_size is None else args.domain_parallel_size
-    return initialize_domain_parallel(size, d, tensor_parallel_size=t, bind_device=args.bind_device)
+    return initialize_domain_parallel(size, d, (-2, -1) if isinstance(d, tuple) else -2, tensor_parallel_size=t,
+                                      bind_device=args.bind_device)
 
 
 def _info(args):
@@ -124,15 +138,19 @@ def _check(args):
     with warnings.catch_warnings():  # check reports GPU sharing itself
         warnings.simplefilter("ignore", RuntimeWarning)
         manager = _manager(args, mpi().COMM_WORLD.Get_size())
-    d = manager.domain_parallel_size
+    d, d_lon = (manager.domain_shape if len(manager.domain_shape) == 2 else (manager.domain_parallel_size, 1))
     shape = args.shape or (1, 32, 16 * d, 1440)
     if args.halo_width < 1 or args.repeats < 1:
         raise ValueError(f"--halo-width and --repeats must be >= 1, got {args.halo_width} and {args.repeats}")
-    if shape[-2] // d < args.halo_width:
-        raise ValueError(
-            f"--shape {','.join(map(str, shape))}: {shape[-2]} rows over D={d} ranks leaves some with "
-            f"{shape[-2] // d}, fewer than --halo-width {args.halo_width}; use at least {d * args.halo_width} rows"
-        )
+    tiles = len(manager.domain_shape) == 2
+    for what, n, parts in (("rows", shape[-2], d), ("columns", shape[-1], d_lon)):
+        if n // parts < args.halo_width:
+            over = f"{parts} tiles" if tiles else f"D={parts} ranks"
+            raise ValueError(
+                f"--shape {','.join(map(str, shape))}: {n} {what} over {over} leaves some with "
+                f"{n // parts}, fewer than --halo-width {args.halo_width}; use at least {parts * args.halo_width} "
+                f"{what}"
+            )
     has_gpu = library_comm(manager, "world").allgather(manager.device_binding is not None and manager.device_binding.device is not None)
     device = args.device
     if device == "auto":

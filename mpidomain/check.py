@@ -1,7 +1,8 @@
 """Check a cluster end to end: ``python -m mpidomain check`` under the job's launcher.
 
 Steps, each agreed across ranks: the layout (as ``info``); halo exchange against
-a reference cut from the global array (zeros at the domain edges, then periodic);
+a reference cut from the global array (zeros at the domain edges, periodic, then
+the Earth's boundary: longitude periodic, latitude folded across the poles);
 a shard/gather round trip; the bandwidth of every neighbour pair's halo messages,
 naming the slowest link; the CUDA-aware decision and each rank's device. Rank 0
 prints progress and, last, one verdict line.
@@ -81,14 +82,31 @@ def _global_array(shape, group):
     return (values + 0.5 * group).astype(np.float32)
 
 
-def _expected_halo(full, start, count, width, periodic):
-    """The padded shard ``halo_exchange`` must return, cut from the global array (dim -2)."""
-    if periodic:
-        padded = np.concatenate([full[..., full.shape[-2] - width:, :], full, full[..., :width, :]], axis=-2)
-    else:
-        zeros = np.zeros(full.shape[:-2] + (width, full.shape[-1]), dtype=full.dtype)
-        padded = np.concatenate([zeros, full, zeros], axis=-2)
-    return padded[..., start:start + count + 2 * width, :]
+def _padded_global(full, widths, boundary):
+    """The global array padded by ``widths`` (latitude, longitude): ``"zeros"``, ``"periodic"`` or ``"earth"``.
+
+    Earth: the rows beyond a pole are the near-pole rows mirrored, half a turn of longitude
+    away (``roll(x, W // 2)``), then longitude wraps around (the corners too).
+    """
+    h, w = widths
+    edge = [(0, 0)] * (full.ndim - 2)
+    if boundary == "earth":
+        turned = np.roll(full, full.shape[-1] // 2, axis=-1)
+        rows = np.concatenate([turned[..., :h, :][..., ::-1, :], full, turned[..., full.shape[-2] - h:, :][..., ::-1, :]],
+                              axis=-2)
+        return np.pad(rows, edge + [(0, 0), (w, w)], mode="wrap")
+    return np.pad(full, edge + [(h, h), (w, w)], mode="wrap" if boundary == "periodic" else "constant")
+
+
+def _tile_window(manager, full):
+    """This rank's (start, count) along latitude and along longitude (count = all of it for slabs)."""
+    shape = manager.domain_shape if len(manager.domain_shape) == 2 else (manager.domain_parallel_size, 1)
+    coords = manager.domain_coords if len(manager.domain_shape) == 2 else (manager.domain_rank, 0)
+    window = []
+    for n, parts, c in zip(full.shape[-2:], shape, coords):
+        counts, offsets = balanced_split(n, parts)
+        window.append((offsets[c], counts[c]))
+    return window
 
 
 def _mismatch(got, expected, what):
@@ -102,20 +120,27 @@ def _mismatch(got, expected, what):
 
 
 def _check_halo(manager, full, device, width):
-    counts, offsets = balanced_split(full.shape[-2], manager.domain_parallel_size)
-    start, count = offsets[manager.domain_rank], counts[manager.domain_rank]
-    shard = shard_tensor(_on_device(full, device), dim=-2, manager=manager, allow_uneven=True)
+    (lat, rows), (lon, cols) = _tile_window(manager, full)
+    shard = shard_tensor(_on_device(full, device), dim=manager.shard_dim, manager=manager, allow_uneven=True)
+    tiles = len(manager.domain_shape) == 2
     errors = []
-    for periodic in (False, True):  # both exchanges on every rank, whatever the first found
-        padded = halo_exchange(shard, width, -2, periodic=periodic, manager=manager)
-        errors.append(_mismatch(padded, _expected_halo(full, start, count, width, periodic),
-                                f"halo_exchange(periodic={periodic})"))
+    for boundary in ("zeros", "periodic", "earth"):  # every exchange on every rank, whatever the first found
+        if boundary == "earth":
+            widths = (width, width)
+            padded = halo_exchange(shard, widths, boundary="earth", manager=manager)
+        else:  # slabs: along latitude only
+            widths = (width, width if tiles else 0)
+            padded = halo_exchange(shard, width, periodic=boundary == "periodic", manager=manager)
+        expected = _padded_global(full, widths, boundary)[..., lat:lat + rows + 2 * widths[0],
+                                                          lon:lon + cols + 2 * widths[1]]
+        errors.append(_mismatch(padded, expected, f"halo_exchange({boundary})"))
     return next((error for error in errors if error), None)
 
 
 def _check_round_trip(manager, full, device):
-    shard = shard_tensor(_on_device(full, device), dim=-2, manager=manager, allow_uneven=True)
-    return _mismatch(gather_tensor(shard, dim=-2, manager=manager), full, "gather_tensor(shard_tensor(x))")
+    dim = manager.shard_dim
+    shard = shard_tensor(_on_device(full, device), dim=dim, manager=manager, allow_uneven=True)
+    return _mismatch(gather_tensor(shard, dim=dim, manager=manager), full, "gather_tensor(shard_tensor(x))")
 
 
 def _exchange_times(comm, partner, send, recv, repeats):
@@ -166,15 +191,17 @@ def run_check(manager, device, shape, width, repeats):
     report = _Report(manager)
     world = manager.world_size
     binding = manager.device_binding
+    along = "dims (-2, -1), tiles" if len(manager.domain_shape) == 2 else "dim -2"
     report.say(f"mpidomain check: {world} ranks, {_axes(manager)}, device {device}, "
-               f"global shape {tuple(shape)} float32 (sharded along dim -2), halo width {width}")
+               f"global shape {tuple(shape)} float32 (sharded along {along}), halo width {width}")
 
     report.say(f"[1/{STEPS}] layout")
     rows = info.gather_layout(manager)
     if manager.rank == 0:
         print(info.format_layout(manager, rows), flush=True)
 
-    report.say(f"[2/{STEPS}] halo exchange against the global reference (zero edges, then periodic)")
+    report.say(f"[2/{STEPS}] halo exchange against the global reference (zero edges, periodic, then the Earth's "
+               "boundary)")
     full = _global_array(tuple(shape), manager.mesh.group_index("domain"))
     if report.agree("halo exchange", _guarded(_check_halo, manager, full, device, width)):
         report.say("  ok: every rank's padded shard equals the global array's rows")
@@ -234,7 +261,10 @@ def run_check(manager, device, shape, width, repeats):
 
 def _axes(manager):
     """The three axes' sizes, as the header and the verdict print them."""
-    return f"D={manager.domain_parallel_size}, T={manager.tensor_parallel_size}, dp={manager.data_parallel_size}"
+    d = manager.domain_parallel_size
+    if len(manager.domain_shape) == 2:
+        d = f"{d} ({manager.domain_shape[0]}x{manager.domain_shape[1]} tiles)"
+    return f"D={d}, T={manager.tensor_parallel_size}, dp={manager.data_parallel_size}"
 
 
 def _guarded(step, *args):

@@ -1,8 +1,8 @@
 """``python -m mpidomain demo``: train a small U-Net domain-parallel, and the same steps on one process.
 
 Under ``mpiexec -n 4`` (D=2: two data-parallel replicas of two latitude
-shards each) every rank trains the converted model on its shard of its
-replica's samples, while rank 0 also trains the unconverted model on the
+shards each; ``-D 2x2``: one replica of 2 x 2 latitude x longitude tiles)
+every rank trains the converted model on its shard of its replica's samples, while rank 0 also trains the unconverted model on the
 whole batch. Both start from the same weights and see the same data; the
 demo prints both losses per step and, at the end, the largest difference
 between the two models' parameters, and exits 0 if it is within float32
@@ -21,7 +21,7 @@ from ._mpi import mpi
 from .manager import initialize_domain_parallel, library_comm
 from .reduce import allreduce
 from .sharding import shard_tensor
-from .nn import allreduce_gradients, convert_to_domain_parallel
+from .nn import DomainParallelPeriodicConv2d, allreduce_gradients, convert_to_domain_parallel
 
 __all__ = ["UNet", "synthetic_batch", "run_demo"]
 
@@ -82,6 +82,14 @@ def synthetic_batch(step, samples, channels, height, width):
     return torch.from_numpy(fields).float(), torch.from_numpy(targets).float()
 
 
+def _periodic_conv(module, manager):
+    """The domain-parallel :class:`PeriodicConv`: its parameters, the longitude wrap through the halos."""
+    inner = module.conv
+    conv = torch.nn.Conv2d(inner.in_channels, inner.out_channels, inner.kernel_size, padding=1)
+    conv.weight, conv.bias = inner.weight, inner.bias
+    return DomainParallelPeriodicConv2d(conv, manager.shard_dim, manager)
+
+
 def _parameters_difference(a, b):
     return max(float((p - q).detach().abs().max()) for p, q in zip(a.parameters(), b.parameters()))
 
@@ -89,36 +97,41 @@ def _parameters_difference(a, b):
 def run_demo(steps=5, domain_parallel_size=2, size=(128, 256), channels=2, out=print):
     """Train both ways for ``steps`` steps; print one line per step; return the exit status (0: models agree).
 
+    ``domain_parallel_size``: latitude slabs (an int) or ``(D_lat, D_lon)`` tiles.
     Collective over ``MPI.COMM_WORLD``: call on every rank with the same arguments.
     """
     world = mpi().COMM_WORLD
     height, width = size
-    manager = initialize_domain_parallel(world.Get_size(), domain_parallel_size)
+    tiles = isinstance(domain_parallel_size, tuple)
+    manager = initialize_domain_parallel(world.Get_size(), domain_parallel_size, (-2, -1) if tiles else -2)
     try:
         d = manager.domain_parallel_size
-        if height % (2 * d) or width % 2 or height // d < 4:
+        d_lat, d_lon = manager.domain_shape if tiles else (d, 1)
+        if height % (2 * d_lat) or width % (2 * d_lon) or height // d_lat < 4 or width // d_lon < 4:
             raise ValueError(
-                f"--size {height}x{width} with D={d}: the U-Net halves the field once, so each of the D latitude "
-                f"shards needs an even number of rows, at least 4 ({2 * d} must divide the latitudes) and the "
-                f"longitudes must be even; try --size {max(4, 2 * d) * 16}x256"
+                f"--size {height}x{width} with {f'{d_lat} x {d_lon} tiles' if tiles else f'D={d}'}: the U-Net halves "
+                "the field once, so each "
+                f"tile needs an even number of rows and columns, at least 4 ({2 * d_lat} must divide the latitudes "
+                f"and {2 * d_lon} the longitudes); try --size {max(4, 2 * d_lat) * 16}x{max(4, 2 * d_lon) * 32}"
             )
         torch.manual_seed(0)
         single = UNet(channels)
-        parallel = convert_to_domain_parallel(copy.deepcopy(single), manager=manager)
+        parallel = convert_to_domain_parallel(copy.deepcopy(single), manager=manager,
+                                              custom_converters={PeriodicConv: lambda m: _periodic_conv(m, manager)})
         optimizers = [torch.optim.Adam(m.parameters(), lr=1e-3) for m in (single, parallel)]
         replicas = manager.data_parallel_size
         batch = SAMPLES_PER_REPLICA * replicas
         elements = batch * channels * height * width
         if world.Get_rank() == 0:
-            out(f"mpidomain demo: {world.Get_size()} ranks = {replicas} data-parallel replicas x D={d} latitude "
-                f"shards; U-Net on {batch} fields of {channels}x{height}x{width} per step (float32), and the "
+            layout = f"{d_lat} x {d_lon} latitude x longitude tiles" if tiles else f"D={d} latitude shards"
+            out(f"mpidomain demo: {world.Get_size()} ranks = {replicas} data-parallel replicas x {layout}; U-Net on {batch} fields of {channels}x{height}x{width} per step (float32), and the "
                 "same steps on one process on rank 0")
         status = 0
         for step in range(1, steps + 1):
             inputs, targets = synthetic_batch(step, batch, channels, height, width)
             mine = slice(manager.dp_rank * SAMPLES_PER_REPLICA, (manager.dp_rank + 1) * SAMPLES_PER_REPLICA)
-            x = shard_tensor(inputs[mine], dim=-2, manager=manager)
-            y = shard_tensor(targets[mine], dim=-2, manager=manager)
+            x = shard_tensor(inputs[mine], dim=manager.shard_dim, manager=manager)
+            y = shard_tensor(targets[mine], dim=manager.shard_dim, manager=manager)
             library_comm(manager, "world").Barrier()
             started = time.perf_counter()
             optimizers[1].zero_grad()

@@ -200,6 +200,15 @@ def add_into(dst, src):
     return dst
 
 
+def flip(x, dims):
+    """Return ``x`` mirrored along ``dims`` (a view for NumPy and CuPy, a copy for Torch); ``x`` itself if none."""
+    if not dims:
+        return x
+    if array_kind(x) == "torch":
+        return x.flip(tuple(dims))
+    return (sys.modules["cupy"] if array_kind(x) == "cupy" else np).flip(x, tuple(dims))
+
+
 def from_numpy(array, like):
     """Return host NumPy ``array`` as an array of ``like``'s kind sharing its memory (CPU Torch or NumPy).
 

@@ -17,6 +17,12 @@ the domain group, finds the neighbours, and prepares the transfers:
   libraries) and handed to MPI directly when it is CUDA-aware, or staged
   through pinned host buffers otherwise.
 
+On a 2-D decomposition (latitude x longitude tiles), along several dims at
+once, or with ``boundary="earth"``, the plan is a
+:class:`~mpidomain.tile_layout.TileLayout`'s: every block of the padded tile
+(edges and corners) comes from the rank that holds it, one message per block,
+mirrored across the poles for the Earth; the rest is as above.
+
 Every padded array has ``shape[dim] + 2 * halo_width`` rows along ``dim``:
 the neighbours' rows where a neighbour exists, zeros at the outer edges of
 the domain group, or the wrapped rows when ``periodic`` (also for one rank,
@@ -25,12 +31,15 @@ CREDIT returns ``x`` unpadded when the domain group has one rank; mpidomain
 pads whatever D is, so the code after the exchange never branches on D.
 """
 
+import dataclasses
+
 import numpy as np
 
 from . import devices, plan_cache, transport
 from ._mpi import Agreement, agree, agreement_code, is_active, mpi, wait_all
 from ._validate import normalize_dim, require_int, require_manager
 from .halo_layout import HaloLayout
+from .tile_layout import TileLayout
 from .manager import allocate_tags, library_comm
 
 __all__ = ["HaloPlan", "halo_exchange"]
@@ -42,27 +51,36 @@ _IN_PLACE_RECEIVE_BYTES = 256 * 1024
 _NUMBER_KINDS = "biufc"  # bool, signed, unsigned, float, complex
 
 
-def _describe(x, halo_width, dim, periodic, shard_dim):
+def _is_tiled(manager, halo_width, dim, periodic, boundary):
+    """True if the exchange is a :class:`~mpidomain.tile_layout.TileLayout`'s: tiles, several dims or a boundary."""
+    return (len(manager.shard_dims) > 1 or boundary is not None
+            or any(isinstance(a, (tuple, list)) for a in (halo_width, dim, periodic)))
+
+
+def _describe(x, halo_width, dim, periodic, manager, boundary=None):
     """Return what this rank's input looks like; raise TypeError/ValueError for a local mistake.
 
     The extents along ``dim`` and along the manager's ``shard_dim`` may differ between ranks
     (uneven shards, also when padding locally along another dim); the others may not.
     """
     kind = devices.array_kind(x)
-    require_int("halo_width", halo_width, least=0, hint="pass the number of ghost rows on each side, e.g. 1")
-    if not isinstance(periodic, (bool, np.bool_)):
-        raise TypeError(f"periodic must be True or False, got {periodic!r} ({type(periodic).__name__})")
     shape = tuple(int(n) for n in x.shape)
     if not shape:
         raise ValueError("x is a 0-d array; halo exchange needs at least the sharded dimension")
-    dim = normalize_dim(dim, shape)
-    sharded = shard_dim % len(shape) if -len(shape) <= shard_dim < len(shape) else None
     dtype = devices.numpy_dtype(x)
     if dtype.kind not in _NUMBER_KINDS:
         raise TypeError(
             f"unsupported dtype {x.dtype} (NumPy kind {dtype.kind!r}); halo exchange moves numbers: "
             "use a bool, integer, float or complex array"
         )
+    if _is_tiled(manager, halo_width, dim, periodic, boundary):
+        return _describe_tiles(x, shape, halo_width, dim, periodic, manager, boundary)
+    require_int("halo_width", halo_width, least=0, hint="pass the number of ghost rows on each side, e.g. 1")
+    if not isinstance(periodic, (bool, np.bool_)):
+        raise TypeError(f"periodic must be True or False, got {periodic!r} ({type(periodic).__name__})")
+    dim = normalize_dim(manager.shard_dim if dim is None else dim, shape)
+    shard_dim = manager.shard_dim
+    sharded = shard_dim % len(shape) if -len(shape) <= shard_dim < len(shape) else None
     return {
         "array": f"{kind} on {'device' if devices.is_device_array(x) else 'host'}",
         "dtype": x.dtype,
@@ -73,6 +91,78 @@ def _describe(x, halo_width, dim, periodic, shard_dim):
         "periodic": bool(periodic),
         "extent": shape[dim],
     }
+
+
+def _per_dim(name, value, count, check):
+    """``value`` for each of ``count`` dims: one value for all, or a tuple of ``count``; each passed to ``check``."""
+    values = tuple(value) if isinstance(value, (tuple, list)) else (value,) * count
+    if len(values) != count:
+        raise ValueError(f"{name}={value!r} needs one value per dim of the exchange ({count}), or a single value")
+    return tuple(check(v) for v in values)
+
+
+def _is_bool(name):
+    def check(value):
+        if not isinstance(value, (bool, np.bool_)):
+            raise TypeError(f"{name} must be True or False (or one per dim), got {value!r} ({type(value).__name__})")
+        return bool(value)
+    return check
+
+
+def _describe_tiles(x, shape, halo_width, dim, periodic, manager, boundary):
+    """:func:`_describe` for a :class:`~mpidomain.tile_layout.TileLayout` exchange."""
+    ndim = len(shape)
+    if boundary not in (None, "earth"):
+        raise ValueError(f"boundary must be None or 'earth', got {boundary!r}")
+    sharded = []
+    for d, parts in zip(manager.shard_dims, manager.domain_shape):
+        if -ndim <= d < ndim:
+            sharded.append(d % ndim)
+        elif parts > 1:
+            raise ValueError(f"the manager shards dim {d}, which a {ndim}-d array of shape {shape} does not have; "
+                             "pass arrays with the sharded dims")
+    if dim is None:
+        dim = (-2, -1) if boundary == "earth" else manager.shard_dims
+    dims = tuple(normalize_dim(d, shape) for d in (dim if isinstance(dim, (tuple, list)) else (dim,)))
+    if len(set(dims)) != len(dims):
+        raise ValueError(f"dim={dim!r} names a dim twice; pass distinct dims, e.g. (-2, -1)")
+    widths = _per_dim("halo_width", halo_width, len(dims),
+                      lambda h: require_int("halo_width", h, least=0, hint="ghost rows on each side, e.g. 1 or (1, 2)"))
+    wraps = _per_dim("periodic", periodic, len(dims), _is_bool("periodic"))
+    if boundary == "earth":
+        if sorted(dims) != [ndim - 2, ndim - 1]:
+            raise ValueError(f"boundary='earth' pads latitude and longitude, the last two dims (-2, -1) of x of shape "
+                             f"{shape}, got dim={dim!r}; pass dim=None or dim=(-2, -1)")
+        if any(wraps):
+            raise ValueError("boundary='earth' sets both boundaries (longitude periodic, latitude folded across "
+                             "the poles); drop periodic=")
+        modes = {ndim - 2: "fold", ndim - 1: "periodic"}
+    else:
+        modes = {d: "periodic" if w else "zeros" for d, w in zip(dims, wraps)}
+    grid = tuple(sorted(set(dims) | set(sharded)))
+    width_of = dict(zip(dims, widths))
+    return {
+        "array": f"{devices.array_kind(x)} on {'device' if devices.is_device_array(x) else 'host'}",
+        "dtype": x.dtype,
+        "ndim": ndim,
+        "dim": grid,
+        "other extents": tuple(None if i in grid else n for i, n in enumerate(shape)),
+        "halo_width": tuple(width_of.get(d, 0) for d in grid),
+        "boundaries": tuple(modes.get(d, "zeros") for d in grid),
+        "boundary": boundary,
+        "extent": tuple(shape[d] for d in grid),
+    }
+
+
+def _padded_shape(shape, mine):
+    """``shape`` with the halos of :func:`_describe`'s ``mine`` added."""
+    dims, widths = mine["dim"], mine["halo_width"]
+    if isinstance(dims, int):
+        dims, widths = (dims,), (widths,)
+    padded = list(shape)
+    for d, h in zip(dims, widths):
+        padded[d] += 2 * h
+    return tuple(padded)
 
 
 def _signature(mine):
@@ -112,6 +202,39 @@ def _check_extents(comm, mine):
         )
 
 
+def _check_tiles(comm, mine, manager):
+    """Return each grid dim's tile extents, per coordinate; raise ValueError on every rank unless the
+    ranks' tiles form a grid whose every tile holds at least its halo. Collective."""
+    everyone = comm.allgather(mine["extent"])
+    grid, widths = mine["dim"], mine["halo_width"]
+    ndim = mine["ndim"]
+    along = {d % ndim: k for k, d in enumerate(manager.shard_dims) if -ndim <= d < ndim}
+    extents, problems = [], []
+    for j, d in enumerate(grid):
+        k = along.get(d)
+        count = manager.domain_shape[k] if k is not None else 1
+        sizes = [None] * count
+        for rank, extent in enumerate(everyone):
+            c = manager.domain_coords_of(rank)[k] if k is not None else 0
+            if sizes[c] is None:
+                sizes[c] = extent[j]
+            elif sizes[c] != extent[j]:
+                problems.append(f"the tiles at coordinate {c} along dim {d} differ in extent "
+                                f"({', '.join(f'rank {r}: {e[j]}' for r, e in enumerate(everyone))}); every tile of "
+                                "a row or column of the grid must have the same extent, as shard_tensor cuts them")
+                break
+        if widths[j] > min(s for s in sizes if s is not None):
+            listing = ", ".join(f"rank {r}: {e[j]}" for r, e in enumerate(everyone))
+            problems.append(f"halo_width={widths[j]} along dim {d} exceeds the tile extent there on some ranks "
+                            f"({listing}); every tile must hold at least {widths[j]} rows: use a smaller halo or "
+                            "fewer ranks along that dim")
+        extents.append(tuple(sizes))
+    if problems:
+        raise ValueError("halo exchange on tiles: " + "; ".join(problems))
+    coords = tuple(manager.domain_coords[along[d]] if d in along else 0 for d in grid)
+    return tuple(extents), coords
+
+
 class HaloPlan:
     """Exchange the halo rows of one kind of padded array, again and again.
 
@@ -130,35 +253,55 @@ class HaloPlan:
     :class:`~mpidomain.halo_layout.HaloLayout`) says which rows go where;
     ``plan.transport`` how they reach MPI.
 
+    With tiles (a manager of ``(D_lat, D_lon)``) or ``boundary="earth"``, the
+    halos are padded along each of the dims (default: the manager's
+    ``shard_dims``; ``(-2, -1)`` with the Earth), corners included, and
+    ``halo_width`` and ``periodic`` may be one value or one per dim; the tiles
+    of a row (or column) of the grid must share their extent, as
+    ``shard_tensor`` cuts them.
+
     :param x: This rank's unpadded shard, or any array of its shape, dtype and device.
-    :param halo_width: Ghost rows on each side.
-    :param dim: Sharded dimension; default ``manager.shard_dim``.
-    :param periodic: Wrap around the domain group's ends instead of padding with zeros.
+    :param halo_width: Ghost rows on each side (an int, or one per dim).
+    :param dim: Sharded dimension, or a tuple of dims; default ``manager.shard_dim``.
+    :param periodic: Wrap around the domain group's ends instead of padding with zeros (or one per dim).
+    :param boundary: ``None``, or ``"earth"``: longitude (dim -1) periodic, and beyond each pole
+        (dim -2) the rows on the near side of it, mirrored, half a turn of longitude away; equal to
+        CREDIT's ``TensorPadding(mode="earth")`` on the global field, cut to the tile.
     :param manager: Default: the global manager from ``initialize_domain_parallel``.
     """
 
-    def __init__(self, x, halo_width, dim=None, *, periodic=False, manager=None):
+    def __init__(self, x, halo_width, dim=None, *, periodic=False, boundary=None, manager=None):
         manager = require_manager(manager, "halo exchange")
         comm = library_comm(manager)
         mine, error = None, None
         try:
-            mine = _describe(x, halo_width, manager.shard_dim if dim is None else dim, periodic, manager.shard_dim)
+            mine = _describe(x, halo_width, dim, periodic, manager, boundary)
         except (TypeError, ValueError) as exc:
             error = exc
         _agree_inputs(comm, "HaloPlan", mine, error)
-        _check_extents(comm, mine)
 
         self.manager = manager
         self.kind = devices.array_kind(x)
         self.dtype = x.dtype
         self.shape = tuple(int(n) for n in x.shape)
-        self.dim, self.halo_width, self.periodic = mine["dim"], mine["halo_width"], mine["periodic"]
-        # Along a dimension the group does not shard, every rank holds all of it: pad locally.
-        self.sharded = _is_sharded(manager, self.dim, len(self.shape))
-        size, rank = (comm.Get_size(), comm.Get_rank()) if self.sharded else (1, 0)
-        # Two tags, the same on every rank: they name the plan (halo_exchange's cache agrees on them).
-        self.layout = layout = HaloLayout(self.shape, self.dim, self.halo_width, self.periodic, size, rank,
-                                          allocate_tags(manager, 2))
+        self.boundary = mine.get("boundary")
+        if "boundaries" in mine:  # tiles, several dims or the Earth: a TileLayout
+            extents, coords = _check_tiles(comm, mine, manager)
+            self.dim, self.halo_width, self.periodic = mine["dim"], mine["halo_width"], mine["boundaries"]
+            self.sharded = True
+            layout = TileLayout(self.shape, self.dim, self.halo_width, self.periodic, extents, coords)
+            # Tags the same on every rank, as many as the most blocks one rank takes from another.
+            layout = dataclasses.replace(layout, tag=allocate_tags(manager, max(layout.tags, 1)))
+        else:
+            _check_extents(comm, mine)
+            self.dim, self.halo_width, self.periodic = mine["dim"], mine["halo_width"], mine["periodic"]
+            # Along a dimension the group does not shard, every rank holds all of it: pad locally.
+            self.sharded = _is_sharded(manager, self.dim, len(self.shape))
+            size, rank = (comm.Get_size(), comm.Get_rank()) if self.sharded else (1, 0)
+            # Two tags, the same on every rank: they name the plan (halo_exchange's cache agrees on them).
+            layout = HaloLayout(self.shape, self.dim, self.halo_width, self.periodic, size, rank,
+                                allocate_tags(manager, 2))
+        self.layout = layout
         self.tag, self.padded_shape, self.neighbors = layout.tag, layout.padded_shape, layout.neighbors
         self.transport = transport.transport_for(x)
         self._comm = comm  # the manager's private duplicate: no user message can match a halo
@@ -174,13 +317,14 @@ class HaloPlan:
         # array through subarray datatypes (persistent receives bound to its address, rebound
         # when another array comes); the others arrive in contiguous buffers too.
         self._numpy_dtype = dtype = devices.numpy_dtype(x)
-        halo_bytes = int(np.prod(layout.halo_shape)) * dtype.itemsize
-        self._receive_in_place = self.transport.name == "host" and halo_bytes >= _IN_PLACE_RECEIVE_BYTES
-        self._send_buffers = [self.transport.buffer(layout.halo_shape, dtype, x) for _ in self._sends]
-        self._recv_buffers = [self.transport.buffer(layout.halo_shape, dtype, x) for _ in self._receives]
+        padded = self.padded_shape
+        smallest = min((int(np.prod(_block_shape(padded, m.rows))) for m in self._receives), default=0)
+        self._receive_in_place = self.transport.name == "host" and smallest * dtype.itemsize >= _IN_PLACE_RECEIVE_BYTES
+        self._send_buffers = [self.transport.buffer(_block_shape(padded, m.rows), dtype, x) for m in self._sends]
+        self._recv_buffers = [self.transport.buffer(_block_shape(padded, m.rows), dtype, x) for m in self._receives]
         self._send_requests = [comm.Send_init(_message(buffer), dest=m.peer, tag=m.tag)
                                for m, buffer in zip(self._sends, self._send_buffers)]
-        self._recv_types = [_subarray(layout, dtype.itemsize, m.rows) for m in self._receives] \
+        self._recv_types = [_subarray(padded, dtype.itemsize, m.rows) for m in self._receives] \
             if self._receive_in_place else []
         self._bound_address = None
         self._recv_requests = [] if self._receive_in_place else [
@@ -231,8 +375,8 @@ class HaloPlan:
     # -- moving halos ---------------------------------------------------------
     def _begin(self, source, rows, working):
         """Pack ``rows`` of ``source`` and start the transfers that fill ``working``'s ghost rows."""
-        for region, buffer in zip(rows, self._send_buffers):
-            self.transport.pack(source[region], buffer)
+        for region, m, buffer in zip(rows, self._sends, self._send_buffers):
+            self.transport.pack(devices.flip(source[region], m.flip), buffer)
         self.transport.synchronize(source)  # MPI must read finished data
         if self._receive_in_place and self._receives:
             self._bind_receives(working)
@@ -245,8 +389,8 @@ class HaloPlan:
             wait_all(self._requests)
         for rows in self._zeros:
             working[rows] = 0
-        for source, ghost in self._copies:
-            working[ghost] = working[source]
+        for source, ghost, flip in self._copies:
+            working[ghost] = devices.flip(working[source], flip)
         if not self._receive_in_place:
             for m, buffer in zip(self._receives, self._recv_buffers):
                 self.transport.unpack(buffer, working[m.rows])
@@ -338,8 +482,8 @@ class HaloPlan:
         out = devices.empty(self.shape, like=grad)
         devices.assign(out, grad[self._interior])
         shard_rows = self.layout.shard_rows
-        for source, ghost in self._copies:
-            devices.add_into(out[shard_rows(source)], grad[ghost])
+        for source, ghost, flip in self._copies:
+            devices.add_into(out[shard_rows(source)], devices.flip(grad[ghost], flip))
         if not self._requests:
             return out
         # Each forward message in reverse, same tag: the ghost rows' gradients (packed into
@@ -354,7 +498,7 @@ class HaloPlan:
                      for m, buffer in zip(self._receives, self._recv_buffers)]
         wait_all(requests)
         for m, buffer in zip(self._sends, self._send_buffers):
-            self.transport.accumulate(buffer, out[shard_rows(m.rows)])
+            self.transport.accumulate(_mirrored(buffer, m.flip), out[shard_rows(m.rows)])
         self.transport.synchronize(out)  # the next exchange reuses the buffers
         return out
 
@@ -416,8 +560,9 @@ class HaloPlan:
 
     def __repr__(self):
         state = "freed" if self._freed else f"neighbors={self.neighbors}, transport={self.transport.name}"
+        boundary = f"boundary={self.boundary!r}, " if self.boundary else ""
         return (f"HaloPlan(shape={self.shape}, dtype={self.dtype}, halo_width={self.halo_width}, "
-                f"dim={self.dim}, periodic={self.periodic}, {state})")
+                f"dim={self.dim}, periodic={self.periodic}, {boundary}{state})")
 
 
 def _message(buffer):
@@ -425,14 +570,27 @@ def _message(buffer):
     return [devices.mpi_buffer(devices.byte_view(buffer)), mpi().BYTE]
 
 
-def _subarray(layout, itemsize, rows):
-    """The committed datatype of ``rows`` (an index along ``layout.dim``) of a C-contiguous padded array."""
-    shape, dim = layout.padded_shape, layout.dim
-    outer = int(np.prod(shape[:dim]))
-    inner = int(np.prod(shape[dim + 1:])) * itemsize
-    start = rows[dim].start
-    return mpi().BYTE.Create_subarray([outer, shape[dim], inner], [outer, layout.halo_width, inner],
-                                      [0, start, 0]).Commit()
+def _block_shape(shape, rows):
+    """The shape of block ``rows`` (an index of slices, maybe shorter than ``shape``) of an array of ``shape``."""
+    rows = tuple(rows) + (slice(None),) * (len(shape) - len(rows))
+    return tuple(len(range(*s.indices(n))) for s, n in zip(rows, shape))
+
+
+def _subarray(shape, itemsize, rows):
+    """The committed datatype of block ``rows`` of a C-contiguous array of ``shape``."""
+    rows = tuple(rows) + (slice(None),) * (len(shape) - len(rows))
+    starts = [s.indices(n)[0] for s, n in zip(rows, shape)]
+    sizes, block = list(shape), list(_block_shape(shape, rows))
+    sizes[-1], block[-1], starts[-1] = sizes[-1] * itemsize, block[-1] * itemsize, starts[-1] * itemsize
+    return mpi().BYTE.Create_subarray(sizes, block, starts).Commit()
+
+
+def _mirrored(buffer, dims):
+    """``buffer`` mirrored along ``dims`` as a contiguous array (``buffer`` itself if none)."""
+    if not dims:
+        return buffer
+    flipped = devices.flip(buffer, dims)
+    return flipped if devices.array_kind(flipped) == "torch" else flipped.copy()  # NumPy, CuPy: a view so far
 
 
 def _is_sharded(manager, dim, ndim):
@@ -441,19 +599,19 @@ def _is_sharded(manager, dim, ndim):
     return -ndim <= shard_dim < ndim and dim == shard_dim % ndim
 
 
-def _quick_key(x, halo_width, dim, periodic, call):
+def _quick_key(x, halo_width, dim, periodic, boundary, call):
     """What ``x`` and the arguments are, as spelled, cheaply; None if that cannot be hashed."""
     try:
         device = x.device if not isinstance(x, np.ndarray) else None
         key = (type(x), tuple(x.shape), x.dtype, device, getattr(x, "layout", None), type(halo_width), halo_width,
-               type(dim), dim, type(periodic), periodic, call)
+               type(dim), dim, type(periodic), periodic, boundary, call)
         hash(key)
         return key
     except Exception:  # not an array, or an unhashable argument: the full checks report it
         return None
 
 
-def cached_plan(x, halo_width, dim=None, *, periodic=False, manager=None, call="pad"):
+def cached_plan(x, halo_width, dim=None, *, periodic=False, boundary=None, manager=None, call="pad"):
     """Return the cached :class:`HaloPlan` for ``x``'s shard, building it on a miss.
 
     Collective over the domain group, on every call: one small agreement step
@@ -464,10 +622,10 @@ def cached_plan(x, halo_width, dim=None, *, periodic=False, manager=None, call="
     what each rank had. Each manager keeps its own last
     :data:`~mpidomain.plan_cache.CACHE_SIZE` plans.
     """
-    return _settle(x, halo_width, dim, periodic, manager, call)[0]
+    return _settle(x, halo_width, dim, periodic, boundary, manager, call)[0]
 
 
-def _settle(x, halo_width, dim, periodic, manager, call, out=None, copy_interior=False):
+def _settle(x, halo_width, dim, periodic, boundary, manager, call, out=None, copy_interior=False):
     """:func:`cached_plan`'s work; return ``(plan, out, interior copied)``.
 
     ``out`` is checked with the arguments (a bad one raises on every rank).
@@ -477,7 +635,7 @@ def _settle(x, halo_width, dim, periodic, manager, call, out=None, copy_interior
     manager = require_manager(manager, "halo exchange")
     comm = library_comm(manager)
     cache = plan_cache.cache_of(manager)
-    quick = _quick_key(x, halo_width, dim, periodic, call)
+    quick = _quick_key(x, halo_width, dim, periodic, boundary, call)
     found = None if quick is None else cache.quick(quick)
     error = None
     if found is not None:  # arguments seen before: their checks passed then, and would again
@@ -486,14 +644,13 @@ def _settle(x, halo_width, dim, periodic, manager, call, out=None, copy_interior
     else:
         signature, key, code, padded_shape = None, None, None, None
         try:
-            mine = _describe(x, halo_width, manager.shard_dim if dim is None else dim, periodic, manager.shard_dim)
+            mine = _describe(x, halo_width, dim, periodic, manager, boundary)
             kind = devices.array_kind(x)
             device = str(x.device) if kind == "torch" else x.device.id if kind == "cupy" else None
             key = (tuple(mine.values()), tuple(x.shape), device)  # this rank's plan; not the call kind
             signature = dict(_signature(mine), call=call)
             code = agreement_code("halo_exchange", signature)
-            d, h = mine["dim"], mine["halo_width"]
-            padded_shape = tuple(x.shape[:d]) + (mine["extent"] + 2 * h,) + tuple(x.shape[d + 1:])
+            padded_shape = _padded_shape(tuple(x.shape), mine)
         except (TypeError, ValueError) as exc:
             error = exc
         plan = None if key is None else cache.get(key)
@@ -513,7 +670,7 @@ def _settle(x, halo_width, dim, periodic, manager, call, out=None, copy_interior
         plan.transport.view(out)[plan._interior] = plan.transport.view(x)  # local work under the agreement
         copied = True
     if agreement.result():
-        plan = HaloPlan(x, halo_width, dim, periodic=periodic, manager=manager)
+        plan = HaloPlan(x, halo_width, dim, periodic=periodic, boundary=boundary, manager=manager)
         cache.put(key, plan)
     else:
         cache.touch(key)
@@ -544,7 +701,7 @@ def _check_out(out, x, padded_shape, call):
                          "allocate a new one, e.g. numpy.empty or torch.empty")
 
 
-def halo_exchange(x, halo_width, dim=None, *, periodic=False, manager=None, out=None):
+def halo_exchange(x, halo_width, dim=None, *, periodic=False, boundary=None, manager=None, out=None):
     """Return ``x`` padded with ``halo_width`` of its neighbours' rows on both sides along ``dim``.
 
     Collective over the domain group: call on every rank of the group, each
@@ -567,18 +724,28 @@ def halo_exchange(x, halo_width, dim=None, *, periodic=False, manager=None, out=
     shape, receives the result instead of a new array (reusing it saves the
     allocation, which for a large result costs as much as the copy).
 
+    With tiles (a manager of ``(D_lat, D_lon)``), several dims or
+    ``boundary="earth"``, ``x`` is padded along each dim (default: the
+    manager's ``shard_dims``; ``(-2, -1)`` with the Earth) with the blocks the
+    neighbours hold, the diagonal ones' corners included; see :class:`HaloPlan`.
+    For example, on 2 x 2 tiles of a 4 x 6 field, ``halo_exchange(x, 1)``
+    gives each rank its 2 x 3 tile inside a 4 x 5 array: its own values, one
+    row of the tile north or south of it, one column of the tile east or west,
+    one corner of the diagonal tile, zeros beyond the field's edges.
+
     :param x: This rank's shard: NumPy array, CuPy array or Torch tensor.
-    :param halo_width: Ghost rows on each side (<= every rank's extent along ``dim``).
-    :param dim: Sharded dimension; default ``manager.shard_dim``.
-    :param periodic: Wrap around the ends of the domain group.
+    :param halo_width: Ghost rows on each side (<= every rank's extent along ``dim``); or one per dim.
+    :param dim: Sharded dimension, or a tuple of dims; default ``manager.shard_dim``.
+    :param periodic: Wrap around the ends of the domain group (or one per dim).
+    :param boundary: ``None`` or ``"earth"`` (see :class:`HaloPlan`; ``periodic`` must stay False).
     :param manager: Default: the global manager from ``initialize_domain_parallel``.
     :param out: Where to write the result (not with a tensor that requires grad).
     """
     if getattr(x, "requires_grad", False) is True:  # a Torch tensor in an autograd graph
         if out is not None:  # the same agreement as the autograd path's, raising on every rank
-            _settle(x, halo_width, dim, periodic, manager, "pad+grad", out)
+            _settle(x, halo_width, dim, periodic, boundary, manager, "pad+grad", out)
         from .nn.halo import HaloExchange
 
-        return HaloExchange(halo_width, dim, periodic, manager=manager)(x)
-    plan, out, copied = _settle(x, halo_width, dim, periodic, manager, "pad", out, copy_interior=True)
+        return HaloExchange(halo_width, dim, periodic, boundary=boundary, manager=manager)(x)
+    plan, out, copied = _settle(x, halo_width, dim, periodic, boundary, manager, "pad", out, copy_interior=True)
     return plan._pad(x, out, copied)

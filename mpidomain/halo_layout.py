@@ -16,11 +16,15 @@ __all__ = ["HaloLayout", "Message"]
 
 @dataclass(frozen=True)
 class Message:
-    """One halo message seen from this rank: the other rank, the tag, and the rows of the padded array."""
+    """One halo message seen from this rank: the other rank, the tag, and the rows of the padded array.
+
+    ``flip``: the dims along which a sent block is mirrored while packing (the Earth's pole fold).
+    """
 
     peer: int
     tag: int
     rows: tuple  # an index: slice(None) for the dims before ``dim``, then the rows along ``dim``
+    flip: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -149,9 +153,12 @@ class HaloLayout:
 
     @property
     def copies(self):
-        """(source rows, ghost rows) pairs of the padded array copied locally (one rank, periodic)."""
+        """(source rows, ghost rows, mirrored dims) of the padded array copied locally (one rank, periodic).
+
+        Never mirrored along a single dim: the third entry (as :class:`~mpidomain.tile_layout.TileLayout`'s) is ``()``.
+        """
         if not self.local_wrap:
             return ()
         first, last = self._edges
         leading, trailing = self._ghosts
-        return ((last, leading), (first, trailing))
+        return ((last, leading, ()), (first, trailing, ()))

@@ -18,6 +18,7 @@ and with ``tensor_parallel_size=2`` as well::
 """
 
 import logging
+import math
 import warnings
 
 from . import abort, binding
@@ -34,10 +35,44 @@ logger = logging.getLogger(__name__)
 _MANAGER = None
 
 
+def domain_layout(domain_parallel_size, shard_dim):
+    """Return ``(domain_shape, shard_dims)``: ``((D,), (dim,))`` for ints, the pairs for a 2-D decomposition.
+
+    Raise TypeError/ValueError for anything else. Local, pure.
+    """
+    two_d = isinstance(domain_parallel_size, (tuple, list)) or isinstance(shard_dim, (tuple, list))
+    if not two_d:
+        for name, value in (("domain_parallel_size", domain_parallel_size), ("shard_dim", shard_dim)):
+            if not is_int(value):
+                raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__}); or pairs for a 2-D "
+                                "decomposition: domain_parallel_size=(D_lat, D_lon), shard_dim=(-2, -1)")
+        return (int(domain_parallel_size),), (int(shard_dim),)
+    shape, dims = domain_parallel_size, shard_dim
+    if not (isinstance(shape, (tuple, list)) and len(shape) == 2 and all(is_int(d) for d in shape)):
+        raise TypeError(f"domain_parallel_size must be an int, or a pair (D_lat, D_lon) of ints with shard_dim=(-2, -1), "
+                        f"got {shape!r} with shard_dim={dims!r}")
+    if not (isinstance(dims, (tuple, list)) and len(dims) == 2 and all(is_int(d) for d in dims)):
+        raise TypeError(f"shard_dim must be a pair of dims, e.g. (-2, -1), with domain_parallel_size={tuple(shape)!r}, "
+                        f"got {dims!r}")
+    if min(shape) < 1:
+        raise ValueError(f"domain_parallel_size must be >= 1 along each dim, got {tuple(shape)!r}")
+    if not all(d < 0 for d in dims) or dims[0] >= dims[1]:
+        raise ValueError(f"shard_dim must be two negative dims in increasing order (latitude, then longitude), "
+                         f"e.g. (-2, -1), got {tuple(dims)!r}")
+    return (int(shape[0]), int(shape[1])), (int(dims[0]), int(dims[1]))
+
+
 def _argument_error(world_size, domain_parallel_size, shard_dim, comm_size, tensor_parallel_size=1):
     """Return the first local problem with the arguments, or None."""
-    for name, value in (("world_size", world_size), ("domain_parallel_size", domain_parallel_size),
-                        ("shard_dim", shard_dim), ("tensor_parallel_size", tensor_parallel_size)):
+    try:
+        shape, _ = domain_layout(domain_parallel_size, shard_dim)
+    except (TypeError, ValueError) as exc:
+        return exc
+    label = domain_parallel_size
+    if len(shape) == 2:
+        domain_parallel_size = shape[0] * shape[1]
+        label = f"{tuple(shape)}"
+    for name, value in (("world_size", world_size), ("tensor_parallel_size", tensor_parallel_size)):
         if not is_int(value):
             return TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
     if world_size != comm_size:
@@ -53,11 +88,12 @@ def _argument_error(world_size, domain_parallel_size, shard_dim, comm_size, tens
         divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
         if tensor_parallel_size == 1:
             return ValueError(
-                f"domain_parallel_size={domain_parallel_size} does not divide world_size={world_size}; "
+                f"domain_parallel_size={label}{'' if label == domain_parallel_size else f' ({domain_parallel_size} ranks)'} "
+                f"does not divide world_size={world_size}; "
                 f"choose one of {divisors} or launch a multiple of {domain_parallel_size} ranks"
             )
         return ValueError(
-            f"tensor_parallel_size={tensor_parallel_size} x domain_parallel_size={domain_parallel_size} = "
+            f"tensor_parallel_size={tensor_parallel_size} x domain_parallel_size={label} = "
             f"{per_replica} does not divide world_size={world_size}; choose sizes whose product is one of "
             f"{divisors}, or launch a multiple of {per_replica} ranks"
         )
@@ -72,8 +108,11 @@ class DomainParallelManager:
     ValueError or TypeError on every rank.
 
     :param world_size: Number of ranks in ``comm``.
-    :param domain_parallel_size: Ranks per domain-parallel group (D).
-    :param shard_dim: Spatial dimension to shard; -2 is latitude (H) in (B, C, H, W).
+    :param domain_parallel_size: Ranks per domain-parallel group (D), or ``(D_lat, D_lon)`` for
+        tiles: a group of ``D_lat * D_lon`` ranks (``domain_parallel_size`` is then that product,
+        ``domain_shape`` the pair, ``domain_coords`` this rank's ``(i_lat, i_lon)``).
+    :param shard_dim: Spatial dimension to shard; -2 is latitude (H) in (B, C, H, W). With a
+        pair of sizes, the pair of dims (latitude, longitude), e.g. ``(-2, -1)``.
     :param tensor_parallel_size: Ranks per tensor-parallel group (T); ``T * D`` must divide
         ``world_size``, and ``data_parallel_size`` is ``world_size // (T * D)``. With 1 (the
         default) the layout is the two-axis one of CREDIT's manager.
@@ -101,18 +140,19 @@ class DomainParallelManager:
             )
         error = (_argument_error(world_size, domain_parallel_size, shard_dim, comm.Get_size(), tensor_parallel_size)
                  or binding._policy_error(bind_device))
-        check_same(comm, (world_size, domain_parallel_size, shard_dim, tensor_parallel_size, bool(torch_bridge),
-                          _plain(bind_device)),
+        check_same(comm, (world_size, _plain(domain_parallel_size), _plain(shard_dim), tensor_parallel_size,
+                          bool(torch_bridge), _plain(bind_device)),
                    "(world_size, domain_parallel_size, shard_dim, tensor_parallel_size, torch_bridge, bind_device)",
                    "Pass the same values everywhere.", error=error)
         self.torch_bridge = bool(torch_bridge)
         self._torch_default_group = bridge.acquire_default_group(comm) if self.torch_bridge else None
 
         self.world_size = int(world_size)
-        self.domain_parallel_size = int(domain_parallel_size)
+        self.domain_shape, self.shard_dims = domain_layout(domain_parallel_size, shard_dim)
+        self.domain_parallel_size = math.prod(self.domain_shape)  # the group's size, as CREDIT's
         self.tensor_parallel_size = int(tensor_parallel_size)
         self.data_parallel_size = self.world_size // (self.tensor_parallel_size * self.domain_parallel_size)
-        self.shard_dim = int(shard_dim)
+        self.shard_dim = self.shard_dims[0] if len(self.shard_dims) == 1 else self.shard_dims
         self.launcher = detect_launcher()
 
         self._parent = comm
@@ -133,6 +173,10 @@ class DomainParallelManager:
         # The library's own traffic (halos, shard/gather, agreement steps) travels on duplicates
         # the user never holds, so no user receive (ANY_TAG included) can match it.
         self._private = {"domain": self._domain_comm.Dup(), "tp": self._tp_comm.Dup(), "data": self._dp_comm.Dup()}
+        if len(self.domain_shape) == 2:  # tiles: a band of one latitude row, a column of one longitude
+            i_lat, i_lon = self.domain_coords
+            self._private["band"] = self._private["domain"].Split(i_lat, i_lon)
+            self._private["column"] = self._private["domain"].Split(i_lon, i_lat)
         self._next_tag = 16  # tags handed out collectively by allocate_tags()
         # The node's lowest rank is its node-local rank 0 (Split_type was keyed by rank): no collective.
         node_group, world_group = self._node_comm.Get_group(), self._comm.Get_group()
@@ -213,9 +257,27 @@ class DomainParallelManager:
     def neighbor_ranks(self):
         """Return ``(prev_rank, next_rank)`` as ranks of the parent communicator.
 
+        Along latitude (the first of ``shard_dims``): with a 2-D decomposition,
+        the ranks of the same longitude column in the tile rows above and below.
         ``None`` stands for a missing neighbour at the edges of the domain group.
         """
-        return self.mesh.neighbor("domain", -1), self.mesh.neighbor("domain", 1)
+        step = self.domain_shape[-1] if len(self.domain_shape) == 2 else 1
+        return self.mesh.neighbor("domain", -step), self.mesh.neighbor("domain", step)
+
+    # -- 2-D decomposition -------------------------------------------------
+    @property
+    def domain_coords(self):
+        """This rank's place in its domain group: ``(i_lat, i_lon)`` in 2-D, ``(domain_rank,)`` in 1-D.
+
+        Domain ranks are row-major over (lat, lon): ``domain_rank = i_lat * D_lon + i_lon``.
+        """
+        return self.domain_coords_of(self._domain_rank)
+
+    def domain_coords_of(self, domain_rank):
+        """Return the tile coordinates of ``domain_rank`` (see :attr:`domain_coords`). Local."""
+        if len(self.domain_shape) == 1:
+            return (int(domain_rank),)
+        return divmod(int(domain_rank), self.domain_shape[1])
 
     # -- The tensor-parallel axis (CREDIT's credit.parallel) -------------------
     @property
@@ -377,7 +439,8 @@ class DomainParallelManager:
         state = "closed" if self._closed else f"rank={self._rank}"
         return (
             f"DomainParallelManager(world_size={self.world_size}, "
-            f"domain_parallel_size={self.domain_parallel_size}, shard_dim={self.shard_dim}, "
+            f"domain_parallel_size={self.domain_parallel_size if len(self.domain_shape) == 1 else self.domain_shape}, "
+            f"shard_dim={self.shard_dim}, "
             f"{f'tensor_parallel_size={self.tensor_parallel_size}, ' if self.tensor_parallel_size > 1 else ''}{state})"
         )
 
@@ -410,6 +473,9 @@ def node_roots(shared_roots, hosts):
 
 def library_comm(manager, group="domain"):
     """Return the library's private communicator of ``manager``: ``"domain"``, ``"tp"``, ``"data"`` or ``"world"``.
+
+    With tiles also ``"band"`` (the tiles of this rank's latitude row, by ``i_lon``) and
+    ``"column"`` (those of its longitude column, by ``i_lat``).
 
     ``"world"`` is the private duplicate of the parent communicator the
     groups were split from. The library's own messages travel only on these;
@@ -463,8 +529,8 @@ def initialize_domain_parallel(world_size, domain_parallel_size, shard_dim=-2, *
     exception, so no rank waits forever.
 
     :param world_size: Number of ranks in the communicator.
-    :param domain_parallel_size: Ranks per domain group.
-    :param shard_dim: Spatial dimension to shard (-2 for latitude in BCHW).
+    :param domain_parallel_size: Ranks per domain group, or ``(D_lat, D_lon)`` for 2-D tiles.
+    :param shard_dim: Spatial dimension to shard (-2 for latitude in BCHW), or ``(-2, -1)`` for tiles.
     :param tensor_parallel_size: Ranks per tensor-parallel group (see :class:`DomainParallelManager`).
     :param options: ``comm``, ``torch_bridge``, ``bind_device``: passed to the manager.
     """

@@ -74,31 +74,66 @@ def _copy_rows(x, dim, start, count):
     return x[_rows(dim, start, start + count)].copy(order="C")
 
 
-def shard_tensor(x, dim=-2, manager=None, *, allow_uneven=False):
+def _dims_for(manager, dim, what):
+    """``dim`` for ``manager``'s decomposition: an int for slabs, a pair for tiles (default: the manager's).
+
+    Raise ValueError naming the fix when ``dim`` does not match it.
+    """
+    if dim is None:
+        return manager.shard_dim
+    tiles = len(manager.domain_shape) == 2
+    if isinstance(dim, (tuple, list)) != tiles or (tiles and len(dim) != 2):
+        layout = f"{manager.domain_shape[0]} x {manager.domain_shape[1]} tiles" if tiles else "latitude slabs"
+        expected = "a pair of dims (latitude, longitude), e.g. (-2, -1)" if tiles else "one dim, e.g. -2"
+        raise ValueError(f"{what}: the manager's domain is {layout}, so dim must be {expected}, got dim={dim!r}; "
+                         "pass dim=None for the manager's shard_dim")
+    return tuple(dim) if tiles else dim
+
+
+def _tile_slices(manager, shape, dims, allow_uneven):
+    """This rank's (dim, start, count) along each sharded dim of an array of ``shape``."""
+    dims = tuple(normalize_dim(d, shape) for d in (dims if isinstance(dims, tuple) else (dims,)))
+    if len(set(dims)) != len(dims):
+        raise ValueError(f"dim={dims} names a dim twice; pass latitude then longitude, e.g. (-2, -1)")
+    tiles = len(manager.domain_shape) == 2
+    parts_of = manager.domain_shape if tiles else (manager.domain_parallel_size,)
+    coords = manager.domain_coords if tiles else (manager.domain_rank,)
+    cuts = []
+    for dim, parts, c in zip(dims, parts_of, coords):
+        size = shape[dim]
+        if size % parts and not allow_uneven:
+            raise ValueError(
+                f"Cannot shard dim {dim} of size {size} evenly across {parts} domain-parallel ranks; "
+                f"pass allow_uneven=True for a balanced split (the first {size % parts} ranks get one row more) "
+                f"or use a domain_parallel_size that divides {size}"
+            )
+        counts, offsets = balanced_split(size, parts)
+        cuts.append((dim, offsets[c], counts[c]))
+    return cuts
+
+
+def shard_tensor(x, dim=None, manager=None, *, allow_uneven=False):
     """Return this domain rank's shard of ``x`` along ``dim``, as a contiguous copy.
 
     Local: no communication; every domain rank passes the same full array and
-    keeps its own rows. Returns ``x`` itself when there is no manager
-    (``manager`` is None and none is initialised) or D=1 (CREDIT's semantics).
-    An extent that D does not divide raises ValueError ("Cannot shard ...")
-    unless ``allow_uneven=True``, which splits as :func:`balanced_split`.
-    Torch tensors keep their autograd history.
+    keeps its own rows. ``dim`` defaults to the manager's ``shard_dim``; with
+    tiles it is a pair, ``(-2, -1)``, and the rank at ``(i_lat, i_lon)`` keeps
+    tile ``(i_lat, i_lon)`` of each dim's :func:`balanced_split`. Returns ``x``
+    itself when there is no manager (``manager`` is None and none is
+    initialised) or D=1 (CREDIT's semantics). An extent that the ranks along
+    it do not divide raises ValueError ("Cannot shard ...") unless
+    ``allow_uneven=True``, which splits as :func:`balanced_split`. Torch
+    tensors keep their autograd history.
     """
     manager = _active_manager(manager)
     if manager is None:
         return x
     devices.array_kind(x)
-    dim = normalize_dim(dim, x.shape)
-    size, parts = x.shape[dim], manager.domain_parallel_size
-    if size % parts and not allow_uneven:
-        raise ValueError(
-            f"Cannot shard dim {dim} of size {size} evenly across {parts} domain-parallel ranks; "
-            f"pass allow_uneven=True for a balanced split (the first {size % parts} ranks get one row more) "
-            f"or use a domain_parallel_size that divides {size}"
-        )
-    counts, offsets = balanced_split(size, parts)
-    rank = manager.domain_rank
-    return _copy_rows(x, dim, offsets[rank], counts[rank])
+    cuts = _tile_slices(manager, x.shape, _dims_for(manager, dim, "shard_tensor"), allow_uneven)
+    for dim, start, count in cuts[:-1]:
+        x = x.narrow(dim, start, count) if devices.array_kind(x) == "torch" else x[_rows(dim, start, start + count)]
+    dim, start, count = cuts[-1]
+    return _copy_rows(x, dim, start, count)
 
 
 def _is_array(value):
@@ -109,12 +144,12 @@ def _is_array(value):
     return True
 
 
-def shard_batch(batch, spatial_dims_5d=-2, spatial_dims_4d=-2, manager=None, *, allow_uneven=False):
+def shard_batch(batch, spatial_dims_5d=None, spatial_dims_4d=None, manager=None, *, allow_uneven=False):
     """Return a new dict with the 5-D and 4-D arrays of ``batch`` sharded; all else untouched.
 
     Local, like :func:`shard_tensor`: 5-D (B, C, T, H, W) arrays are sharded
     along ``spatial_dims_5d``, 4-D (B, C, H, W) along ``spatial_dims_4d``
-    (NumPy, CuPy or Torch); scalars, indices, strings and 1-D to 3-D arrays
+    (NumPy, CuPy or Torch), by default the manager's ``shard_dim``; scalars, indices, strings and 1-D to 3-D arrays
     pass through as they are. Returns ``batch`` itself when there is no
     manager or D=1 (CREDIT's semantics).
     """
@@ -260,11 +295,53 @@ def _agreed_shards(comm, x, dim, out):
     return dim, counts
 
 
-def gather_tensor(x, dim=-2, manager=None, *, out=None):
+def _tiles_mismatch(reports, dim_arg, manager, function):
+    """Return a ValueError if the ranks' (shape, spec, dims, out) tiles cannot be joined, else None."""
+    listing = ", ".join(f"rank {r}: shape {s} {t.dtype} dims {d}" for r, (s, t, d, _) in enumerate(reports))
+    shapes = [report[0] for report in reports]
+    if len({len(s) for s in shapes}) > 1 or len({report[2] for report in reports}) > 1:
+        return ValueError(f"{function} needs the same number of dimensions and the same dim on every rank "
+                          f"(dim={dim_arg} here), got {listing}; pass tiles of one array and the same dim")
+    lat, lon = reports[0][2]
+    outside = {s[:lat] + s[lat + 1:lon] + s[lon + 1:] for s in shapes}
+    coords = [manager.domain_coords_of(r) for r in range(len(reports))]
+    bands = {(c[0], s[lat]) for c, s in zip(coords, shapes)}
+    columns = {(c[1], s[lon]) for c, s in zip(coords, shapes)}
+    if (len(outside) > 1 or len({report[1].dtype for report in reports}) > 1
+            or len(bands) != manager.domain_shape[0] or len(columns) != manager.domain_shape[1]):
+        return ValueError(f"{function} needs tiles of one array: the same dtype and extents outside dims "
+                          f"{(lat, lon)}, one latitude extent per row of tiles and one longitude extent per column, "
+                          f"got {listing}; pass tiles that shard_tensor(x, dim={dim_arg}) would make")
+    full = list(shapes[0])
+    full[lat], full[lon] = sum(n for _, n in bands), sum(n for _, n in columns)
+    return _out_mismatch(function, [report[3] for report in reports],
+                         [(report[1], tuple(full)) for report in reports])
+
+
+def _gather_tiles(manager, x, dim, out):
+    """gather_tensor on tiles: along longitude within each band of tiles, then along latitude."""
+    def describe():
+        spec = devices.array_spec(x)
+        dims = tuple(normalize_dim(d, x.shape) for d in dim)
+        if dims[0] >= dims[1]:
+            raise ValueError(f"gather_tensor: dim={dim} must be latitude then longitude, e.g. (-2, -1)")
+        return tuple(x.shape), spec, dims, _out_report(out)
+
+    reports = _exchange_reports(library_comm(manager), "gather_tensor", describe)
+    error = _tiles_mismatch(reports, dim, manager, "gather_tensor")
+    if error is not None:
+        raise error
+    lat, lon = reports[0][2]
+    band = _gather(library_comm(manager, "band"), x, lon, None)
+    return _gather(library_comm(manager, "column"), band, lat, out)
+
+
+def gather_tensor(x, dim=None, manager=None, *, out=None):
     """Return the full array: every domain rank's shard of ``x`` joined along ``dim``.
 
     Collective over the domain group: call on all its ranks with the same
-    ``dim``. Every rank gets the whole array, of ``x``'s kind, dtype and
+    ``dim`` (default: the manager's ``shard_dim``; with tiles the pair
+    ``(-2, -1)``, joined by the tiles' coordinates). Every rank gets the whole array, of ``x``'s kind, dtype and
     device (an all-gather; shards may differ in extent along ``dim``, as
     ``shard_tensor(..., allow_uneven=True)`` makes them), written into
     ``out`` if given (a C-contiguous array like the result: reusing one
@@ -276,8 +353,21 @@ def gather_tensor(x, dim=-2, manager=None, *, out=None):
     manager = _active_manager(manager, "gather_tensor")
     if manager is None:
         devices.array_kind(x)  # a non-array is a mistake with one rank too
-        return x
+        return x if out is None else devices.assign(out, x)
     comm = library_comm(manager)
+    try:
+        dim, error = _dims_for(manager, dim, "gather_tensor"), None
+    except ValueError as exc:
+        error = exc
+    if error is not None:  # meets the other ranks' first agreement step, and raises there too
+        agree(comm, "gather_tensor", None, error=error)
+    if isinstance(dim, tuple):
+        return _gather_tiles(manager, x, dim, out)
+    return _gather(comm, x, dim, out)
+
+
+def _gather(comm, x, dim, out):
+    """gather_tensor's all-gather of shards along one ``dim`` over ``comm``."""
     dim, counts = _agreed_shards(comm, x, dim, out)
     rank = comm.Get_rank()
     offsets = list(itertools.accumulate([0] + counts[:-1]))
@@ -343,8 +433,11 @@ def _gather_device(comm, x, dim, counts, offsets, outer, row_elements, send_type
     return _concatenate(blocks, dim, out)
 
 
-def _scatter_plan(comm, x, dim, root, out):
-    """Check the arguments on every rank; return the root's ``(spec, shape, dim)`` or raise on all ranks."""
+def _scatter_plan(comm, x, dim, root, out, manager=None):
+    """Check the arguments on every rank; return the root's ``(spec, shape, dim)`` or raise on all ranks.
+
+    With ``manager`` (tiles), ``dim`` is a pair and each rank's ``out`` is checked against its tile.
+    """
     rank, size = comm.Get_rank(), comm.Get_size()
 
     def describe():
@@ -358,7 +451,10 @@ def _scatter_plan(comm, x, dim, root, out):
                     f"scatter_tensor got x=None on the root (domain rank {root}); the root must pass the full "
                     "array, the other ranks pass None"
                 )
-            plan = (devices.array_spec(x), tuple(x.shape), normalize_dim(dim, x.shape))
+            dims = tuple(normalize_dim(d, x.shape) for d in dim) if manager else normalize_dim(dim, x.shape)
+            if manager and dims[0] >= dims[1]:
+                raise ValueError(f"scatter_tensor: dim={dim} must be latitude then longitude, e.g. (-2, -1)")
+            plan = (devices.array_spec(x), tuple(x.shape), dims)
         return root, dim, plan, _out_report(out)
 
     reports = _exchange_reports(comm, "scatter_tensor", describe)
@@ -366,19 +462,28 @@ def _scatter_plan(comm, x, dim, root, out):
         listing = ", ".join(f"rank {r}: root={o} dim={d}" for r, (o, d, _, _) in enumerate(reports))
         raise ValueError(f"scatter_tensor needs the same root and dim on every rank, got {listing}")
     spec, shape, dim = reports[root][2]
-    counts, _ = balanced_split(shape[dim], size)
-    expected = [(spec, shape[:dim] + (count,) + shape[dim + 1:]) for count in counts]
+    if manager is None:
+        counts, _ = balanced_split(shape[dim], size)
+        expected = [(spec, shape[:dim] + (count,) + shape[dim + 1:]) for count in counts]
+    else:
+        expected = []
+        for r in range(size):
+            tile = list(shape)
+            for d, parts, c in zip(dim, manager.domain_shape, manager.domain_coords_of(r)):
+                tile[d] = balanced_split(shape[d], parts)[0][c]
+            expected.append((spec, tuple(tile)))
     error = _out_mismatch("scatter_tensor", [report[3] for report in reports], expected)
     if error is not None:
         raise error
     return spec, shape, dim
 
 
-def scatter_tensor(x, dim=-2, root=0, manager=None, *, out=None):
+def scatter_tensor(x, dim=None, root=0, manager=None, *, out=None):
     """Return this domain rank's shard of the array that domain rank ``root`` holds.
 
     Collective over the domain group: call on all its ranks with the same
-    ``dim`` and ``root``; the root passes the full array, the others pass
+    ``dim`` (default: the manager's ``shard_dim``; with tiles the pair
+    ``(-2, -1)``: each rank receives its tile) and ``root``; the root passes the full array, the others pass
     None (anything they pass is ignored). Each rank receives only its own
     rows, split as :func:`balanced_split` (uneven extents allowed), so the
     full array never exists off the root; the result has the root's kind and
@@ -395,6 +500,24 @@ def scatter_tensor(x, dim=-2, root=0, manager=None, *, out=None):
             raise ValueError("scatter_tensor got x=None with no domain decomposition (no manager or D=1); pass the array")
         return x
     comm = library_comm(manager)
+    try:
+        dim, error = _dims_for(manager, dim, "scatter_tensor"), None
+    except ValueError as exc:
+        error = exc
+    if error is not None:  # meets the other ranks' first agreement step, and raises there too
+        agree(comm, "scatter_tensor", None, error=error)
+    if not isinstance(dim, tuple):
+        return _scatter(comm, x, dim, root, out)
+    _, _, (lat, lon) = _scatter_plan(comm, x, dim, root, out, manager)
+    # Along latitude within the root's column of tiles, then along longitude within each band.
+    root_lat, root_lon = manager.domain_coords_of(root)
+    i_lat, i_lon = manager.domain_coords
+    slab = _scatter(library_comm(manager, "column"), x, lat, root_lat, None) if i_lon == root_lon else None
+    return _scatter(library_comm(manager, "band"), slab, lon, root_lon, out)
+
+
+def _scatter(comm, x, dim, root, out):
+    """scatter_tensor along one ``dim`` over ``comm`` from its rank ``root``."""
     spec, shape, dim = _scatter_plan(comm, x, dim, root, out)
     rank = comm.Get_rank()
     counts, offsets = balanced_split(shape[dim], comm.Get_size())

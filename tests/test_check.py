@@ -37,19 +37,19 @@ def test_check_passes(world, capsys, fresh_manager, d_index):
 def test_check_names_the_failing_step_and_ranks(world, capsys, fresh_manager, monkeypatch):
     # The last rank's reference is off by one row's worth: its halo check must fail, and only its.
     last = world.size - 1
-    reference = check._expected_halo
+    reference = check._padded_global
 
     def skewed(*args):
         expected = reference(*args)
         return expected + 1 if world.rank == last else expected
 
-    monkeypatch.setattr(check, "_expected_halo", skewed)
+    monkeypatch.setattr(check, "_padded_global", skewed)
     status, out = run(world, capsys, "--shape", f"1,2,{4 * world.size},8", "--repeats", "1")
     assert status == 1
     if world.rank == 0:
-        assert f"FAILED on rank {last}: halo_exchange(periodic=False):" in out
+        assert f"FAILED on rank {last}: halo_exchange(zeros):" in out
         verdict = out.strip().splitlines()[-1]
-        assert verdict.startswith(f"check FAILED: halo exchange on rank {last}: halo_exchange(periodic=False): ")
+        assert verdict.startswith(f"check FAILED: halo exchange on rank {last}: halo_exchange(zeros): ")
         assert "differ from the global reference" in verdict
 
 
@@ -100,12 +100,27 @@ def test_check_in_a_fresh_four_rank_job(world):
         assert lines[-1].startswith("check passed:"), result.stdout
 
 
-def test_expected_halo_is_cut_from_the_global_array():
+def test_padded_global_reference():
+    """check's references: zeros, periodic, and the Earth's fold (CREDIT's example, H=3, W=4, x = 10h + w)."""
     full = np.arange(6 * 2, dtype=np.float32).reshape(6, 2)
-    zero = check._expected_halo(full, 2, 2, 1, periodic=False)
-    assert zero.tolist() == [[2, 3], [4, 5], [6, 7], [8, 9]]
-    assert check._expected_halo(full, 0, 2, 1, periodic=False).tolist() == [[0, 0], [0, 1], [2, 3], [4, 5]]
-    assert check._expected_halo(full, 4, 2, 1, periodic=True).tolist() == [[6, 7], [8, 9], [10, 11], [0, 1]]
+    assert check._padded_global(full, (1, 0), "zeros")[:3].tolist() == [[0, 0], [0, 1], [2, 3]]
+    assert check._padded_global(full, (1, 0), "periodic")[[0, -1]].tolist() == [[10, 11], [0, 1]]
+    earth = np.array([[10 * h + w for w in range(4)] for h in range(3)], dtype=np.float32)
+    assert check._padded_global(earth, (1, 1), "earth").tolist() == [
+        [1, 2, 3, 0, 1, 2], [3, 0, 1, 2, 3, 0], [13, 10, 11, 12, 13, 10], [23, 20, 21, 22, 23, 20],
+        [21, 22, 23, 20, 21, 22]]
+
+
+def test_check_passes_on_tiles(world, capsys, fresh_manager):
+    """check -D AxB verifies the zero, periodic and Earth exchanges of uneven tiles against the global field."""
+    for a in [a for a in range(1, world.size + 1) if world.size % a == 0]:
+        b = world.size // a
+        status, out = run(world, capsys, "-D", f"{a}x{b}", "--shape", f"1,2,{4 * a + 1},{4 * b + 3}", "--repeats", "2")
+        assert status == 0, out
+        if world.rank == 0:
+            assert "halo exchange against the global reference (zero edges, periodic, then the Earth's" in out
+            assert f"D={world.size} ({a}x{b} tiles), T=1" in out.strip().splitlines()[-1], out
+            assert f"{a} x {b} latitude x longitude tiles" in out and " tile " in out, out
 
 
 def test_check_reports_each_ranks_gpu_and_sharing(world, capsys, fresh_manager, monkeypatch):

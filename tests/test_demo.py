@@ -34,7 +34,16 @@ def test_demo_on_four_ranks(world):
     assert "within 1e-05" in out and "is identical" in out, out
 
 
+def test_demo_on_tiles(world):
+    """demo -D 2x2 trains on latitude x longitude tiles to the one-process model's numbers."""
+    status, out, err = _demo(world, 4, ["-D", "2x2", "--steps", "2", "--size", "32x64"])
+    assert status == 0, out + err
+    assert "4 ranks = 1 data-parallel replicas x 2 x 2 latitude x longitude tiles" in out, out
+    assert out.count("\nstep ") == 2 and "within 1e-05" in out and "is identical" in out, out
+
+
 @pytest.mark.parametrize("args, message", [
+    (["-D", "2x2", "--size", "32x62"], "--size 32x62 with 2 x 2 tiles: the U-Net halves the field once"),
     (["--size", "30x64"], "--size 30x64 with D=2: the U-Net halves the field once"),
     (["-D", "3"], "domain_parallel_size=3 does not divide world_size=4"),
     (["--steps", "0"], "--steps must be >= 1, got 0"),

@@ -44,7 +44,8 @@ def simulate(global_shape, dim, h, periodic, size, extra=None):
             padded[rank][message.rows] = rows
         for rows in layout.zeros:
             padded[rank][rows] = 0
-        for source, ghost in layout.copies:
+        for source, ghost, flip in layout.copies:
+            assert flip == ()
             padded[rank][ghost] = padded[rank][source]
     assert not inbox, f"messages nobody receives: {sorted(inbox)}"
     widths = [(0, 0)] * len(global_shape)

@@ -16,7 +16,26 @@ from .._validate import normalize_dim, require_manager
 from ..manager import library_comm
 from .halo import HaloExchange
 
-__all__ = ["Wrapper", "fetch_rows", "layer_agree", "layer_extents", "sharded", "spatial_axis"]
+__all__ = ["Wrapper", "fetch_rows", "layer_agree", "layer_extents", "place", "shard_dims", "sharded", "spatial_axis"]
+
+
+def shard_dims(shard_dim):
+    """A layer's ``shard_dim`` (an int, or a pair for tiles) as a tuple of dims."""
+    return tuple(shard_dim) if isinstance(shard_dim, (tuple, list)) else (shard_dim,)
+
+
+def _manager_dims(manager, x):
+    """The manager's sharded dims of ``x``, normalised (those ``x`` has)."""
+    return [d % x.ndim for d in manager.shard_dims if -x.ndim <= d < x.ndim]
+
+
+def place(manager, x, dim):
+    """Return (this rank's tile coordinate along normalised ``dim``, the number of tiles along it); (0, 1) if unsharded."""
+    dims = [d % x.ndim if -x.ndim <= d < x.ndim else None for d in manager.shard_dims]
+    if dim not in dims:
+        return 0, 1
+    k = dims.index(dim)
+    return manager.domain_coords[k], manager.domain_shape[k]
 
 
 def spatial_axis(x, shard_dim, spatial, name):
@@ -35,27 +54,25 @@ def layer_agree(manager, name, x, dim, settings, error=None):
     Collective over the domain group: one agreement step (the same layer,
     settings, dtype and extents but along ``dim`` on every rank, or every rank
     raises; a local ``error`` raises on every rank). Along a dim the manager
-    does not shard each rank holds all of it: ``(0, 1)``.
+    does not shard each rank holds all of it: ``(0, 1)``; with tiles, the
+    coordinate and the number of tiles along ``dim``.
     """
     description = None
-    if error is None:  # extents along dim and along the manager's sharded dim may differ (uneven shards)
-        free = {dim, manager.shard_dim % x.ndim if -x.ndim <= manager.shard_dim < x.ndim else dim}
+    if error is None:  # extents along dim and along the manager's sharded dims may differ (uneven shards)
+        free = {dim, *_manager_dims(manager, x)}
         shape = tuple(None if i in free else n for i, n in enumerate(x.shape))
         description = (settings, str(x.dtype), shape, bool(x.requires_grad))
     agree(library_comm(manager), name, description, error=error)
-    if not sharded(manager, x, dim):
-        return 0, 1
-    return manager.domain_rank, manager.domain_parallel_size
+    return place(manager, x, dim)
 
 
 def sharded(manager, x, dim):
-    """True if normalised ``dim`` of ``x`` is the dim ``manager`` shards."""
-    shard_dim = manager.shard_dim
-    return -x.ndim <= shard_dim < x.ndim and shard_dim % x.ndim == dim
+    """True if normalised ``dim`` of ``x`` is a dim ``manager`` shards."""
+    return dim in _manager_dims(manager, x)
 
 
 def layer_extents(manager, name, x, dim, settings, error=None):
-    """Return (every rank's extent along ``dim``, this rank's index) for layer ``name`` with ``settings``.
+    """Return (the extent along ``dim`` of each tile coordinate, this rank's coordinate) for layer ``name``.
 
     Collective over the domain group: :func:`layer_agree`, then one allgather
     (``([extent], 0)`` along a dim the manager does not shard).
@@ -63,7 +80,10 @@ def layer_extents(manager, name, x, dim, settings, error=None):
     index, size = layer_agree(manager, name, x, dim, settings, error)
     if size == 1:
         return [int(x.shape[dim])], 0
-    return library_comm(manager).allgather(int(x.shape[dim])), index
+    extents = [0] * size
+    for coord, extent in library_comm(manager).allgather((index, int(x.shape[dim]))):
+        extents[coord] = extent  # the tiles of a row (or column) share it
+    return extents, index
 
 
 def fetch_rows(x, window, halo, dim, manager, *, edge="zeros", first=True, last=True):

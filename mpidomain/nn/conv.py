@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from . import rows
-from ._shard import Wrapper, fetch_rows, layer_agree, layer_extents, sharded, spatial_axis
+from ._shard import Wrapper, fetch_rows, layer_agree, layer_extents, place, shard_dims, spatial_axis
 
 __all__ = [
     "DomainParallelConv2d",
@@ -62,7 +62,8 @@ class _Conv(Wrapper):
         if not isinstance(conv, self._base):
             raise TypeError(f"{type(self).__name__} wraps a torch.nn.{self._base.__name__}, got {type(conv).__name__}")
         super().__init__(conv, shard_dim, manager)
-        # (before, after) along the sharded dim in place of the conv's own: an explicit ZeroPad before it.
+        # (before, after) along the sharded dim in place of the conv's own: an explicit ZeroPad before it
+        # (with tiles, one pair per sharded dim).
         self.padding_override = padding
 
     def _settings(self, axis):
@@ -77,15 +78,29 @@ class _Conv(Wrapper):
 
 class _ForwardConv(_Conv):
     def forward(self, x):
-        """Return this rank's rows of the convolution of the whole field; collective over the domain group."""
+        """Return this rank's rows of the convolution of the whole field; collective over the domain group.
+
+        With tiles, the input rows along each sharded dim in turn (the second exchange carries the
+        first one's halo rows, so the corners come along), then one convolution.
+        """
         x = self._pre_hooks(x)
         conv, name, manager = self.conv, type(self).__name__, self._manager()
-        dim, axis = spatial_axis(x, self.shard_dim, self._spatial, name)
-        pads = conv_padding(conv)
-        if self.padding_override is not None:
-            pads[axis] = tuple(self.padding_override)
+        dims = shard_dims(self.shard_dim)
+        pads, axes = conv_padding(conv), []
+        overrides = self.padding_override if len(dims) > 1 else (self.padding_override,)
+        for shard_dim, override in zip(dims, overrides or (None,) * len(dims)):
+            dim, axis = spatial_axis(x, shard_dim, self._spatial, name)
+            if override is not None:
+                pads[axis] = tuple(override)
+            x = self._rows_along(x, manager, name, dim, axis, pads)
+            axes.append(axis)
+        return self._convolve(x, pads, axes)
+
+    def _rows_along(self, x, manager, name, dim, axis, pads):
+        """Return the input rows this rank's output rows need along ``dim`` (spatial ``axis``); collective."""
+        conv = self.conv
         k, s, d = conv.kernel_size[axis], conv.stride[axis], conv.dilation[axis]
-        mode = conv.padding_mode
+        mode = self._edge(axis)
         details = f"kernel={k}, stride={s}, dilation={d}, padding={pads[axis]} along dim {dim}"
         if s == 1:  # each rank's window follows from its own rows: no extents to gather
             window, halo, first, last = self._unit_stride(manager, name, x, dim, axis, pads, details)
@@ -99,10 +114,9 @@ class _ForwardConv(_Conv):
                                  f"ranks, got shards of {list(extents)}; use fewer domain ranks")
             window, first, last = windows[index], index == 0, index == len(windows) - 1
         try:
-            slab = fetch_rows(x, window, halo, dim, manager, edge=mode, first=first, last=last)
+            return fetch_rows(x, window, halo, dim, manager, edge=mode, first=first, last=last)
         except ValueError as error:  # raised on every rank alike: say which layer
             raise ValueError(f"{name}({details}): {error}") from error
-        return self._convolve(slab, pads, axis)
 
     def _unit_stride(self, manager, name, x, dim, axis, pads, details):
         """Agree, and return (window, halo, first, last) of a stride-1 layer from this rank's rows alone."""
@@ -110,29 +124,31 @@ class _ForwardConv(_Conv):
         k, d = conv.kernel_size[axis], conv.dilation[axis]
         before, after = pads[axis]
         n = x.shape[dim]
-        first = last = True
-        if sharded(manager, x, dim):
-            first = manager.domain_rank == 0
-            last = manager.domain_rank == manager.domain_parallel_size - 1
+        coord, tiles = place(manager, x, dim)
+        first, last = coord == 0, coord == tiles - 1
         window = rows.unit_stride_window(n, first, last, k, d, before, after)
         error = None
         if last and window.outputs < 1:
             error = ValueError(f"{name}({details}) cannot run: the last domain rank holds {n} rows, too few for "
                                "one output row; use fewer domain ranks or a larger field")
-        elif conv.padding_mode == "reflect" and (first or last) and max(before, after) >= n:
+        elif self._edge(axis) == "reflect" and (first or last) and max(before, after) >= n:
             error = ValueError(f"{name}({details}): reflect padding needs more rows than the padding on the edge "
                                f"ranks, which hold {n}; use fewer domain ranks")
         layer_agree(manager, name, x, dim, self._settings(axis), error)
         return window, rows.unit_stride_halo(k, d, before, after), first, last
 
-    def _convolve(self, slab, pads, axis):
+    def _edge(self, axis):
+        """How rows beyond the field's edges along spatial ``axis`` are made: the conv's padding mode."""
+        return self.conv.padding_mode
+
+    def _convolve(self, slab, pads, axes):
         conv = self.conv
-        others = [p for i, p in enumerate(pads) if i != axis]
-        padding = [0 if i == axis else p[0] for i, p in enumerate(pads)]
+        others = [p for i, p in enumerate(pads) if i not in axes]
+        padding = [0 if i in axes else p[0] for i, p in enumerate(pads)]
         if conv.padding_mode != "zeros" or any(b != a for b, a in others):
             widths = []
             for i in reversed(range(len(pads))):  # F.pad takes the last dim first
-                widths += [0, 0] if i == axis else list(pads[i])
+                widths += [0, 0] if i in axes else list(pads[i])
             mode = "constant" if conv.padding_mode == "zeros" else conv.padding_mode
             slab = F.pad(slab, widths, mode=mode)
             padding = [0] * len(pads)
@@ -167,38 +183,51 @@ class DomainParallelConv3d(_ForwardConv):
 
 class _TransposedConv(_Conv):
     def forward(self, x, output_size=None):
-        """Return this rank's rows of the transposed convolution of the whole field; collective."""
+        """Return this rank's rows of the transposed convolution of the whole field; collective.
+
+        With tiles, the input rows along each sharded dim in turn, one transposed convolution, then
+        this rank's output rows along each sharded dim.
+        """
         x = self._pre_hooks(x)
         conv, name, manager = self.conv, type(self).__name__, self._manager()
         error = None
         if output_size is not None:
             error = TypeError(f"{name} takes no output_size; set output_padding on the wrapped layer instead")
-        dim, axis = spatial_axis(x, self.shard_dim, self._spatial, name)
-        k, s, d = conv.kernel_size[axis], conv.stride[axis], conv.dilation[axis]
-        p, op = conv.padding[axis], conv.output_padding[axis]
-        extents, index = layer_extents(manager, name, x, dim, self._settings(axis), error)
-        windows = rows.transposed_windows(extents, k, s, d, p, op)
-        halo = rows.halo_for(windows)
-        details = f"kernel={k}, stride={s}, dilation={d}, padding={p}, output_padding={op} along dim {dim}"
-        _check_windows(name, windows, extents, halo, details)
-        window = windows[index]
-        slab = fetch_rows(x, window, halo, dim, manager)
-        padding = [0 if i == axis else q for i, q in enumerate(conv.padding)]
-        output_padding = [0 if i == axis else q for i, q in enumerate(conv.output_padding)]
-        if slab.shape[dim]:
-            full = _TRANSPOSED[self._spatial](slab, conv.weight, None, conv.stride, padding, output_padding,
+        cuts = []  # (dim, window) per sharded dim
+        for shard_dim in shard_dims(self.shard_dim):
+            dim, axis = spatial_axis(x, shard_dim, self._spatial, name)
+            k, s, d = conv.kernel_size[axis], conv.stride[axis], conv.dilation[axis]
+            p, op = conv.padding[axis], conv.output_padding[axis]
+            extents, index = layer_extents(manager, name, x, dim, self._settings(axis), error)
+            windows = rows.transposed_windows(extents, k, s, d, p, op)
+            halo = rows.halo_for(windows)
+            details = f"kernel={k}, stride={s}, dilation={d}, padding={p}, output_padding={op} along dim {dim}"
+            _check_windows(name, windows, extents, halo, details)
+            window = windows[index]
+            x = fetch_rows(x, window, halo, dim, manager)
+            cuts.append((dim, axis, window))
+        axes = [axis for _, axis, _ in cuts]
+        padding = [0 if i in axes else q for i, q in enumerate(conv.padding)]
+        output_padding = [0 if i in axes else q for i, q in enumerate(conv.output_padding)]
+        empty = [dim for dim, _, _ in cuts if not x.shape[dim]]
+        if not empty:
+            full = _TRANSPOSED[self._spatial](x, conv.weight, None, conv.stride, padding, output_padding,
                                               conv.groups, conv.dilation)
         else:  # no input reaches these outputs (output_padding rows): bias only
-            full = _TRANSPOSED[self._spatial](x.narrow(dim, 0, 1), conv.weight, None, conv.stride, padding,
-                                              output_padding, conv.groups, conv.dilation).narrow(dim, 0, 0)
-        short = window.skip + window.outputs - full.shape[dim]
-        if short > 0:  # output_padding rows past the last input's reach
-            widths = [0, 0] * (x.ndim - 1 - dim) + [0, short]
-            full = F.pad(full, widths)
-        out = full.narrow(dim, window.skip, window.outputs)
+            for dim in empty:
+                x = F.pad(x, [0, 0] * (x.ndim - 1 - dim) + [0, 1])
+            full = _TRANSPOSED[self._spatial](x, conv.weight, None, conv.stride, padding, output_padding,
+                                              conv.groups, conv.dilation)
+            for dim in empty:
+                full = full.narrow(dim, 0, 0)
+        for dim, _, window in cuts:
+            short = window.skip + window.outputs - full.shape[dim]
+            if short > 0:  # output_padding rows past the last input's reach
+                full = F.pad(full, [0, 0] * (full.ndim - 1 - dim) + [0, short])
+            full = full.narrow(dim, window.skip, window.outputs)
         if conv.bias is not None:
-            out = out + conv.bias.view((1, -1) + (1,) * self._spatial)
-        return out
+            full = full + conv.bias.view((1, -1) + (1,) * self._spatial)
+        return full
 
 
 class DomainParallelConvTranspose2d(_TransposedConv):
@@ -221,20 +250,23 @@ class DomainParallelConvTranspose3d(_TransposedConv):
 
 
 class DomainParallelPeriodicConv2d(DomainParallelConv2d):
-    """A ``torch.nn.Conv2d`` padded with zeros along the sharded dim (latitude) and circularly along the other
-    (longitude), by the conv's own padding.
+    """A ``torch.nn.Conv2d`` padded with zeros in latitude and circularly in longitude, by the conv's own padding.
 
     Its single-process twin pads ``x`` circularly in longitude, then with zeros in latitude, and
-    convolves unpadded. Along the sharded dim the rows come from the neighbours (zeros beyond the
-    poles); each rank holds every longitude, so the wrap is local. Collective over the domain
-    group, forward and backward. Wraps a conv with ``padding_mode="zeros"``.
+    convolves unpadded. Along a sharded dim the rows come from the neighbours: zeros beyond the
+    poles, and in longitude the rows of the other end of the domain group (with tiles) or this
+    rank's own (latitude slabs hold every longitude). Collective over the domain group, forward
+    and backward. Wraps a conv with ``padding_mode="zeros"``.
     """
 
-    def _convolve(self, slab, pads, axis):
+    def _edge(self, axis):
+        return "circular" if axis == 1 else "zeros"
+
+    def _convolve(self, slab, pads, axes):
         conv = self.conv
         widths = []
         for i in reversed(range(len(pads))):
-            widths += [0, 0] if i == axis else list(pads[i])
+            widths += [0, 0] if i in axes else list(pads[i])
         slab = F.pad(slab, widths, mode="circular")
         return F.conv2d(slab, conv.weight, conv.bias, conv.stride, 0, conv.dilation, conv.groups)
 

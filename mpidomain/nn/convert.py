@@ -26,7 +26,8 @@ conversion loads into the converted model and back.
 import torch
 
 from .._validate import require_manager
-from ._shard import Wrapper
+from ..manager import get_domain_parallel_manager
+from ._shard import Wrapper, shard_dims
 from .conv import (DomainParallelConv2d, DomainParallelConv3d, DomainParallelConvTranspose2d,
                    DomainParallelConvTranspose3d, conv_padding)
 from .interpolate import DomainParallelInterpolate
@@ -58,14 +59,19 @@ def _local_transposed(conv, axis):
     return d * (k - 1) + 1 == s and conv.padding[axis] == 0 and conv.output_padding[axis] == 0
 
 
+def _local_along(local, module, shard_dim):
+    """True if ``local(module, axis)`` holds along every sharded dim."""
+    return all(local(module, _axis(module, d)) for d in shard_dims(shard_dim))
+
+
 def _builtin(module, shard_dim, manager):
     """Return the domain-parallel replacement of ``module``, or None to leave it (and visit its children)."""
     for base, wrapper in _CONVS.items():
         if isinstance(module, base):
-            return None if _local_conv(module, _axis(module, shard_dim)) else wrapper(module, shard_dim, manager)
+            return None if _local_along(_local_conv, module, shard_dim) else wrapper(module, shard_dim, manager)
     for base, wrapper in _TRANSPOSED.items():
         if isinstance(module, base):
-            return None if _local_transposed(module, _axis(module, shard_dim)) else wrapper(module, shard_dim, manager)
+            return None if _local_along(_local_transposed, module, shard_dim) else wrapper(module, shard_dim, manager)
     if isinstance(module, torch.nn.GroupNorm):
         return DomainParallelGroupNorm(module, shard_dim, manager)
     if isinstance(module, torch.nn.Upsample):
@@ -80,13 +86,15 @@ def _pad_before_conv(sequential, index, shard_dim, manager):
             and conv_padding(conv) == [(0, 0), (0, 0)]):
         return None
     left, right, top, bottom = pad.padding
-    axis = _axis(conv, shard_dim)
-    along = (top, bottom) if axis == 0 else (left, right)
-    kept = torch.nn.ZeroPad2d((left, right, 0, 0) if axis == 0 else (0, 0, top, bottom))
-    return kept, DomainParallelConv2d(conv, shard_dim, manager, padding=along)
+    along = [(top, bottom) if _axis(conv, d) == 0 else (left, right) for d in shard_dims(shard_dim)]
+    axes = {_axis(conv, d) for d in shard_dims(shard_dim)}
+    kept = torch.nn.ZeroPad2d((0 if 1 in axes else left, 0 if 1 in axes else right,
+                               0 if 0 in axes else top, 0 if 0 in axes else bottom))
+    padding = along[0] if len(along) == 1 else tuple(along)
+    return kept, DomainParallelConv2d(conv, shard_dim, manager, padding=padding)
 
 
-def convert_to_domain_parallel(model, manager=None, shard_dim=-2, custom_converters=None):
+def convert_to_domain_parallel(model, manager=None, shard_dim=None, custom_converters=None):
     """Replace ``model``'s layers that need other ranks' rows by domain-parallel ones; return ``model``.
 
     Local (no communication); the converted model's forward and backward are
@@ -96,15 +104,23 @@ def convert_to_domain_parallel(model, manager=None, shard_dim=-2, custom_convert
 
     :param model: A ``torch.nn.Module``, changed in place (a bare convertible layer is returned converted).
     :param manager: The manager the layers use; default: the global one when they run.
-    :param shard_dim: The sharded dim of the layers' inputs (-2: latitude of (B, C, H, W) and (B, C, T, H, W)).
+    :param shard_dim: The sharded dim of the layers' inputs (-2: latitude of (B, C, H, W) and (B, C, T, H, W)),
+        or the pair ``(-2, -1)`` for tiles. Default: the manager's ``shard_dim`` (``manager``, else the
+        global one if initialised, else -2).
     :param custom_converters: ``{type: factory}``, matched with ``isinstance`` in order.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if not isinstance(shard_dim, int) or shard_dim >= 0:
-        raise ValueError(f"shard_dim must be a negative int counted from the last dim (e.g. -2), got {shard_dim!r}")
     if manager is not None:
         require_manager(manager, "convert_to_domain_parallel")
+    if shard_dim is None:
+        found = manager if manager is not None else get_domain_parallel_manager()
+        shard_dim = -2 if found is None else found.shard_dim
+    dims = shard_dims(shard_dim)
+    if not (0 < len(dims) <= 2 and all(isinstance(d, int) and not isinstance(d, bool) and d < 0 for d in dims)
+            and list(dims) == sorted(set(dims))):
+        raise ValueError(f"shard_dim must be a negative int counted from the last dim (e.g. -2), or a pair such as "
+                         f"(-2, -1) for tiles, got {shard_dim!r}")
     converters = dict(custom_converters or {})
     for key in converters:
         if not isinstance(key, type):

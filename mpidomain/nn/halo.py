@@ -23,20 +23,20 @@ class _HaloExchangeFunction(torch.autograd.Function):
     """Pad with the neighbours' rows; backward sends ghost-row gradients back to their owners."""
 
     @staticmethod
-    def forward(ctx, x, halo_width, dim, periodic, manager, call):
-        plan = cached_plan(x, halo_width, dim, periodic=periodic, manager=manager, call=call)
-        ctx.plan_arguments = (halo_width, dim, periodic, plan.manager, plan.dim)
+    def forward(ctx, x, halo_width, dim, periodic, boundary, manager, call):
+        plan = cached_plan(x, halo_width, dim, periodic=periodic, boundary=boundary, manager=manager, call=call)
+        ctx.plan_arguments = (halo_width, dim, periodic, boundary, plan.manager, plan.layout.interior)
         return plan.pad(x)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
-        halo_width, dim, periodic, manager, axis = ctx.plan_arguments
+        halo_width, dim, periodic, boundary, manager, interior = ctx.plan_arguments
         # The plan is found again (it may have left halo_exchange's cache since the forward)
         # from a view with the unpadded shard's shape, dtype and device.
-        like = grad.narrow(axis, halo_width, grad.shape[axis] - 2 * halo_width)
-        plan = cached_plan(like, halo_width, dim, periodic=periodic, manager=manager, call="adjoint")
-        return plan.adjoint(grad), None, None, None, None, None
+        plan = cached_plan(grad[interior], halo_width, dim, periodic=periodic, boundary=boundary, manager=manager,
+                           call="adjoint")
+        return plan.adjoint(grad), None, None, None, None, None, None
 
 
 class HaloExchange(torch.nn.Module):
@@ -48,24 +48,31 @@ class HaloExchange(torch.nn.Module):
     D=1); the ends of the domain group get zeros, or the wrapped rows when
     ``periodic=True``.
 
-    :param halo_width: Ghost rows on each side.
-    :param dim: Sharded dimension (-2 is latitude in (B, C, H, W)).
-    :param periodic: Wrap around the ends of the domain group (e.g. longitude).
+    With tiles or ``boundary="earth"``, along several dims at once, corners
+    included (:func:`mpidomain.halo_exchange`); backward the exact adjoint,
+    mirrored fold rows included.
+
+    :param halo_width: Ghost rows on each side (or one per dim).
+    :param dim: Sharded dimension (-2 is latitude in (B, C, H, W)), a tuple of dims, or None: the manager's.
+    :param periodic: Wrap around the ends of the domain group (e.g. longitude); or one per dim.
+    :param boundary: ``None`` or ``"earth"``: longitude periodic and the fold across the poles.
     :param manager: Default: the global manager from ``initialize_domain_parallel``.
     """
 
-    def __init__(self, halo_width, dim=-2, periodic=False, *, manager=None):
+    def __init__(self, halo_width, dim=-2, periodic=False, *, boundary=None, manager=None):
         super().__init__()
         self.halo_width = halo_width
         self.dim = dim
         self.periodic = periodic
+        self.boundary = boundary
         self.manager = manager
 
     def forward(self, x):
         """Return ``x`` padded with its neighbours' rows (see the class docstring)."""
         # Every rank must agree whether a backward will follow: the agreement step checks it.
         call = "pad+grad" if torch.is_grad_enabled() and getattr(x, "requires_grad", False) else "pad"
-        return _HaloExchangeFunction.apply(x, self.halo_width, self.dim, self.periodic, self.manager, call)
+        return _HaloExchangeFunction.apply(x, self.halo_width, self.dim, self.periodic, self.boundary, self.manager,
+                                           call)
 
     @staticmethod
     def trim(x, halo_before, halo_after, dim=-2):
@@ -74,4 +81,5 @@ class HaloExchange(torch.nn.Module):
         return x.narrow(dim, halo_before, x.shape[dim] - halo_before - halo_after)
 
     def extra_repr(self):
-        return f"halo_width={self.halo_width}, dim={self.dim}, periodic={self.periodic}"
+        return (f"halo_width={self.halo_width}, dim={self.dim}, periodic={self.periodic}"
+                + (f", boundary={self.boundary!r}" if self.boundary else ""))

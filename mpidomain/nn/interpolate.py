@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from . import rows
-from ._shard import fetch_rows, layer_extents, spatial_axis
+from ._shard import fetch_rows, layer_extents, shard_dims, spatial_axis
 
 __all__ = ["DomainParallelInterpolate"]
 
@@ -59,6 +59,20 @@ def _taps(n, size, scale, mode, align_corners, recompute, dtype):
     return indices, weights, matrix.shape[0]
 
 
+def _windows(extents, indices, m):
+    """Each shard's window: the output rows whose first tap falls in its rows, and the input rows they tap."""
+    n = sum(extents)
+    starts = [sum(extents[:r]) for r in range(len(extents))]
+    windows = []
+    for r, (a, count) in enumerate(zip(starts, extents)):
+        lo = 0 if r == 0 else rows.ceil_div(a * m, n)
+        hi = m if r == len(extents) - 1 else rows.ceil_div((a + count) * m, n)
+        taps = indices[lo:hi]
+        first, stop = (int(taps.min()), int(taps.max()) + 1) if hi > lo else (a, a)
+        windows.append(rows.Window(lo, hi, first, stop, a, a + count))
+    return windows
+
+
 class DomainParallelInterpolate(torch.nn.Module):
     """``F.interpolate`` (``torch.nn.Upsample``) of a field sharded along ``shard_dim``; collective.
 
@@ -94,45 +108,50 @@ class DomainParallelInterpolate(torch.nn.Module):
                    recompute_scale_factor=upsample.recompute_scale_factor, shard_dim=shard_dim, manager=manager)
 
     def forward(self, x):
-        """Return this rank's rows of the interpolated whole field; collective over the domain group."""
+        """Return this rank's rows of the interpolated whole field; collective over the domain group.
+
+        With tiles, the input rows along each sharded dim in turn, then the taps along each.
+        """
         from .._validate import require_manager
 
         name = "DomainParallelInterpolate"
         manager = require_manager(self.manager, name)
         spatial = x.ndim - 2
-        dim, axis = spatial_axis(x, self.shard_dim, spatial, name)
         size, scale = _per_dim(self.size, spatial, "size"), _per_dim(self.scale_factor, spatial, "scale_factor")
         settings = (size, scale, self.mode, self.align_corners, self.recompute_scale_factor)
-        extents, index = layer_extents(manager, name, x, dim, settings)
-        n = sum(extents)
-        indices, weights, m = _taps(n, None if size is None else size[axis], None if scale is None else scale[axis],
-                                    self.mode, self.align_corners, self.recompute_scale_factor, x.dtype)
-        starts = [sum(extents[:r]) for r in range(len(extents))]
-        windows = []
-        for r, (a, count) in enumerate(zip(starts, extents)):
-            lo = 0 if r == 0 else rows.ceil_div(a * m, n)
-            hi = m if r == len(extents) - 1 else rows.ceil_div((a + count) * m, n)
-            taps = indices[lo:hi]
-            first, stop = (int(taps.min()), int(taps.max()) + 1) if hi > lo else (a, a)
-            windows.append(rows.Window(lo, hi, first, stop, a, a + count))
-        halo = rows.halo_for(windows)
-        if halo > min(extents):
-            raise ValueError(f"{name}({settings}) needs {halo} rows of each neighbour, more than the smallest shard "
-                             f"of {list(extents)} holds; use fewer domain ranks")
-        window = windows[index]
-        slab = fetch_rows(x, window, halo, dim, manager)
+        along = []  # (dim, window, indices, weights) per sharded dim
+        for shard_dim in shard_dims(self.shard_dim):
+            dim, axis = spatial_axis(x, shard_dim, spatial, name)
+            extents, index = layer_extents(manager, name, x, dim, settings)
+            n = sum(extents)
+            indices, weights, m = _taps(n, None if size is None else size[axis],
+                                        None if scale is None else scale[axis], self.mode, self.align_corners,
+                                        self.recompute_scale_factor, x.dtype)
+            windows = _windows(extents, indices, m)
+            halo = rows.halo_for(windows)
+            if halo > min(extents):
+                raise ValueError(f"{name}({settings}) needs {halo} rows of each neighbour, more than the smallest "
+                                 f"shard of {list(extents)} holds; use fewer domain ranks")
+            x = fetch_rows(x, windows[index], halo, dim, manager)
+            along.append((dim, axis, windows[index], indices, weights))
+        axes = [axis for _, axis, _, _, _ in along]
         others = dict(mode=self.mode, recompute_scale_factor=self.recompute_scale_factor)
         if self.mode in ("linear", "bilinear", "bicubic", "trilinear"):
             others["align_corners"] = self.align_corners
         if size is not None:
-            target = tuple(slab.shape[dim] if i == axis else size[i] for i in range(spatial))
-            if target != tuple(slab.shape[2:]):
-                slab = F.interpolate(slab, size=target, **others)
-        elif any(scale[i] != 1 for i in range(spatial) if i != axis):
-            slab = F.interpolate(slab, scale_factor=tuple(1.0 if i == axis else scale[i] for i in range(spatial)),
-                                 **others)
-        local = (indices[window.out_start:window.out_stop] - window.in_start).to(x.device)
-        taps_weights = weights[window.out_start:window.out_stop].to(x.device)
+            target = tuple(x.shape[2 + i] if i in axes else size[i] for i in range(spatial))
+            if target != tuple(x.shape[2:]):
+                x = F.interpolate(x, size=target, **others)
+        elif any(scale[i] != 1 for i in range(spatial) if i not in axes):
+            x = F.interpolate(x, scale_factor=tuple(1.0 if i in axes else scale[i] for i in range(spatial)), **others)
+        for dim, _, window, indices, weights in along:
+            x = self._taps_along(x, dim, window, indices, weights)
+        return x
+
+    def _taps_along(self, slab, dim, window, indices, weights):
+        """The weighted sums of ``slab``'s rows (global ``window.in_start`` on) that make this rank's output rows."""
+        local = (indices[window.out_start:window.out_stop] - window.in_start).to(slab.device)
+        taps_weights = weights[window.out_start:window.out_stop].to(slab.device)
         shape = [1] * slab.ndim
         shape[dim] = -1
         out = None

@@ -1,0 +1,182 @@
+"""Domain-parallel layers and a converted CNN on 2-D tiles (latitude x longitude), equal to one process."""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from mpidomain import DomainParallelManager, balanced_split  # noqa: E402
+from mpidomain.nn import (DomainParallelConv2d, DomainParallelConvTranspose2d, DomainParallelInterpolate,  # noqa: E402
+                          DomainParallelPeriodicConv2d, allreduce_gradients, convert_to_domain_parallel)
+
+nn = torch.nn
+TOLERANCE = 1e-10
+
+
+def layouts(size):
+    """Every (D_lat, D_lon) of ``size`` ranks."""
+    return [(a, size // a) for a in range(1, size + 1) if size % a == 0]
+
+
+def tile_of(full, manager):
+    """This rank's tile of ``full`` (B, C, H, W), cut as balanced_split cuts each dim."""
+    (i, j), (dl, dn) = manager.domain_coords, manager.domain_shape
+    lat, lon = balanced_split(full.shape[-2], dl), balanced_split(full.shape[-1], dn)
+    return full[..., lat[1][i]:lat[1][i] + lat[0][i], lon[1][j]:lon[1][j] + lon[0][j]]
+
+
+def assemble(tile, manager):
+    """The whole field from every rank's ``tile``, placed by the tiles' coordinates (every rank gets it)."""
+    tiles = manager.domain_comm.allgather((manager.domain_coords, tile.detach()))
+    rows = {}
+    for (i, j), t in tiles:
+        rows.setdefault(i, {})[j] = t
+    return torch.cat([torch.cat([rows[i][j] for j in sorted(rows[i])], -1) for i in sorted(rows)], -2)
+
+
+def relative(a, b):
+    return float((a - b).abs().max() / max(float(b.abs().max()), 1e-300))
+
+
+def compare(manager, single, parallel, shape, seed=0):
+    """The problems of ``parallel`` on tiles against ``single`` on the whole field: output, input and weight grads."""
+    generator = torch.Generator().manual_seed(seed)
+    full = torch.randn(shape, dtype=torch.float64, generator=generator)
+    full_in = full.clone().requires_grad_()
+    reference = single(full_in)
+    weights = torch.randn(reference.shape, dtype=torch.float64, generator=generator)
+    (reference * weights).sum().backward()
+    local_in = tile_of(full, manager).clone().requires_grad_()
+    out = parallel(local_in)
+    whole = assemble(out, manager)
+    problems = []
+    if whole.shape != reference.shape:
+        return [f"output shape {tuple(whole.shape)} != {tuple(reference.shape)}"]
+    if relative(whole, reference.detach()) > TOLERANCE:
+        problems.append(f"forward relative error {relative(whole, reference.detach()):.3g}")
+    # This rank's output tile sits where assemble put it: cut the weights the same way, by output extents.
+    extents = manager.domain_comm.allgather((manager.domain_coords, tuple(out.shape[-2:])))
+    i, j = manager.domain_coords
+    top = sum(e[0] for (a, b), e in extents if b == 0 and a < i)
+    left = sum(e[1] for (a, b), e in extents if a == 0 and b < j)
+    (out * weights[..., top:top + out.shape[-2], left:left + out.shape[-1]]).sum().backward()
+    if relative(local_in.grad, tile_of(full_in.grad, manager)) > TOLERANCE:
+        problems.append(f"input gradient relative error {relative(local_in.grad, tile_of(full_in.grad, manager)):.3g}")
+    for p in parallel.parameters():
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    allreduce_gradients(parallel, group="domain", op="sum", manager=manager)
+    for (name, p), q in zip(parallel.named_parameters(), single.parameters()):
+        if relative(p.grad, q.grad) > TOLERANCE:
+            problems.append(f"gradient of {name}: relative error {relative(p.grad, q.grad):.3g}")
+    return problems
+
+
+def twins(make):
+    """The layer on one process and a copy for the tiles, with the same parameters."""
+    torch.manual_seed(1)
+    single = make().double()
+    parallel = make().double()
+    parallel.load_state_dict(single.state_dict())
+    return single, parallel
+
+
+LAYERS = {
+    "conv3x3": (lambda: nn.Conv2d(2, 3, 3, padding=1), DomainParallelConv2d),
+    "conv5x3_circular": (lambda: nn.Conv2d(2, 2, (5, 3), padding=(2, 1), padding_mode="circular"), DomainParallelConv2d),
+    "conv_stride2": (lambda: nn.Conv2d(2, 2, 3, stride=2, padding=1), DomainParallelConv2d),
+    "conv_dilated_reflect": (lambda: nn.Conv2d(2, 2, 3, dilation=2, padding=2, padding_mode="reflect"),
+                             DomainParallelConv2d),
+    "transposed_k4s2": (lambda: nn.ConvTranspose2d(2, 2, 4, stride=2, padding=1), DomainParallelConvTranspose2d),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LAYERS))
+def test_layer_on_every_tile_layout_equals_one_process(world, name):
+    """Each layer on every (D_lat, D_lon) of the world, uneven tiles: forward, input and parameter gradients."""
+    make, wrapper = LAYERS[name]
+    problems = []
+    for shape in layouts(world.size):
+        with DomainParallelManager(world.size, shape, (-2, -1)) as manager:
+            single, inner = twins(make)
+            problems += [f"{shape}: {p}" for p in compare(manager, single, wrapper(inner, (-2, -1), manager),
+                                                          (2, 2, 13, 18))]
+    assert not problems, problems
+
+
+def test_upsample_on_tiles_equals_one_process(world):
+    """Bilinear upsampling on tiles equals F.interpolate on the whole field."""
+    problems = []
+    for shape in layouts(world.size):
+        with DomainParallelManager(world.size, shape, (-2, -1)) as manager:
+            single = nn.Upsample(scale_factor=2, mode="bilinear")
+            parallel = DomainParallelInterpolate(scale_factor=2, mode="bilinear", shard_dim=(-2, -1), manager=manager)
+            problems += [f"{shape}: {p}" for p in compare(manager, single, parallel, (1, 2, 9, 14))]
+    assert not problems, problems
+
+
+class PeriodicTwin(nn.Module):
+    """One process' periodic convolution: longitude padded circularly, latitude with zeros."""
+
+    def __init__(self, conv):
+        super().__init__()
+        self.conv = conv
+
+    def forward(self, x):
+        x = torch.nn.functional.pad(x, (1, 1, 0, 0), mode="circular")
+        return torch.nn.functional.conv2d(x, self.conv.weight, self.conv.bias, padding=(1, 0))
+
+
+def test_periodic_conv_wraps_longitude_across_the_tiles(world):
+    """DomainParallelPeriodicConv2d on tiles: the longitude wrap comes from the other end of the group."""
+    problems = []
+    for shape in layouts(world.size):
+        with DomainParallelManager(world.size, shape, (-2, -1)) as manager:
+            single, inner = twins(lambda: nn.Conv2d(2, 2, 3, padding=1))
+            parallel = DomainParallelPeriodicConv2d(inner, (-2, -1), manager)
+            problems += [f"{shape}: {p}" for p in compare(manager, PeriodicTwin(single), parallel, (1, 2, 10, 12))]
+    assert not problems, problems
+
+
+class SmallCNN(nn.Module):
+    """A U-Net-like CNN: convolutions, a strided one, GroupNorm, upsampling back, a skip, a longitude-circular conv."""
+
+    def __init__(self):
+        super().__init__()
+        self.encode = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.GroupNorm(2, 4), nn.SiLU())
+        self.down = nn.Conv2d(4, 4, 3, stride=2, padding=1)
+        self.up = nn.ConvTranspose2d(4, 4, 2, stride=2)
+        self.embed = nn.Sequential(nn.ZeroPad2d((1, 2, 1, 2)), nn.Conv2d(4, 4, 4))
+        self.wrap = nn.Conv2d(8, 3, 3, padding=1, padding_mode="circular")
+
+    def forward(self, x):
+        skip = self.encode(x)
+        y = self.embed(self.up(torch.tanh(self.down(skip))))
+        return self.wrap(torch.cat([y, skip], 1))
+
+
+def test_converted_cnn_on_tiles_equals_one_process(world):
+    """convert_to_domain_parallel on a 2-D manager, unchanged call: the whole CNN equals one process."""
+    problems = []
+    for shape in layouts(world.size):
+        with DomainParallelManager(world.size, shape, (-2, -1)) as manager:
+            single, copy = twins(SmallCNN)
+            parallel = convert_to_domain_parallel(copy, manager)
+            assert parallel.encode[0].shard_dim == (-2, -1)
+            problems += [f"{shape}: {p}" for p in compare(manager, single, parallel, (2, 3, 16, 24))]
+    assert not problems, problems
+
+
+def test_tiles_need_a_neighbour_per_halo_everywhere(world):
+    """A kernel wider than a tile raises the same ValueError on every rank."""
+    if world.size < 2:
+        pytest.skip("needs several tiles")
+    with DomainParallelManager(world.size, (1, world.size), (-2, -1)) as manager:
+        conv = DomainParallelConv2d(nn.Conv2d(1, 1, 9, padding=4).double(), (-2, -1), manager)
+        x = torch.zeros(1, 1, 8, 2, dtype=torch.float64)
+        try:
+            conv(x)
+            message = None
+        except ValueError as error:
+            message = str(error)
+    messages = world.allgather(message)
+    assert messages[0] is not None and len(set(messages)) == 1, messages
