@@ -90,6 +90,18 @@ def _dims_for(manager, dim, what):
     return tuple(dim) if tiles else dim
 
 
+def _agreed_dims(comm, manager, dim, call):
+    """:func:`_dims_for` in collective ``call``: a wrong ``dim`` on one rank raises on every rank.
+
+    The erring rank's agreement step meets the others' first one (each call starts with one).
+    """
+    try:
+        return _dims_for(manager, dim, call)
+    except ValueError as error:
+        agree(comm, call, None, error=error)
+        raise
+
+
 def _tile_slices(manager, shape, dims, allow_uneven):
     """This rank's (dim, start, count) along each sharded dim of an array of ``shape``."""
     dims = tuple(normalize_dim(d, shape) for d in (dims if isinstance(dims, tuple) else (dims,)))
@@ -355,12 +367,7 @@ def gather_tensor(x, dim=None, manager=None, *, out=None):
         devices.array_kind(x)  # a non-array is a mistake with one rank too
         return x if out is None else devices.assign(out, x)
     comm = library_comm(manager)
-    try:
-        dim, error = _dims_for(manager, dim, "gather_tensor"), None
-    except ValueError as exc:
-        error = exc
-    if error is not None:  # meets the other ranks' first agreement step, and raises there too
-        agree(comm, "gather_tensor", None, error=error)
+    dim = _agreed_dims(comm, manager, dim, "gather_tensor")
     if isinstance(dim, tuple):
         return _gather_tiles(manager, x, dim, out)
     return _gather(comm, x, dim, out)
@@ -500,12 +507,7 @@ def scatter_tensor(x, dim=None, root=0, manager=None, *, out=None):
             raise ValueError("scatter_tensor got x=None with no domain decomposition (no manager or D=1); pass the array")
         return x
     comm = library_comm(manager)
-    try:
-        dim, error = _dims_for(manager, dim, "scatter_tensor"), None
-    except ValueError as exc:
-        error = exc
-    if error is not None:  # meets the other ranks' first agreement step, and raises there too
-        agree(comm, "scatter_tensor", None, error=error)
+    dim = _agreed_dims(comm, manager, dim, "scatter_tensor")
     if not isinstance(dim, tuple):
         return _scatter(comm, x, dim, root, out)
     _, _, (lat, lon) = _scatter_plan(comm, x, dim, root, out, manager)
