@@ -20,7 +20,7 @@ the domain group, finds the neighbours, and prepares the transfers:
 On a 2-D decomposition (latitude x longitude tiles), along several dims at
 once, or with ``boundary="earth"``, the plan is a
 :class:`~mpidomain.tile_layout.TileLayout`'s: every block of the padded tile
-(edges and corners) comes from the rank that holds it, one message per block,
+(edges and corners) comes from the rank that holds it, one message per peer (its blocks packed together),
 mirrored across the poles for the Earth; the rest is as above.
 
 Every padded array has ``shape[dim] + 2 * halo_width`` rows along ``dim``:
@@ -32,6 +32,7 @@ pads whatever D is, so the code after the exchange never branches on D.
 """
 
 import dataclasses
+import math
 
 import numpy as np
 
@@ -310,21 +311,24 @@ class HaloPlan:
         self._in_flight = None
         self._freed = False
         self._interior = layout.interior
-        self._sends, self._receives = layout.sends, layout.receives
+        # One message per peer and direction: the layout's blocks for that peer, in tag order.
+        self._sends, self._receives = _bundles(layout.sends), _bundles(layout.receives)
         self._zeros, self._copies = layout.zeros, layout.copies
-        self._send_rows_of_shard = [layout.shard_rows(m.rows) for m in self._sends]
+        self._send_rows_of_shard = [[layout.shard_rows(m.rows) for m in b.blocks] for b in self._sends]
         # Halos leave from contiguous buffers. Large host halos arrive straight in the padded
         # array through subarray datatypes (persistent receives bound to its address, rebound
         # when another array comes); the others arrive in contiguous buffers too.
         self._numpy_dtype = dtype = devices.numpy_dtype(x)
         padded = self.padded_shape
-        smallest = min((int(np.prod(_block_shape(padded, m.rows))) for m in self._receives), default=0)
+        smallest = min((_elements(padded, b) for b in self._receives), default=0)
         self._receive_in_place = self.transport.name == "host" and smallest * dtype.itemsize >= _IN_PLACE_RECEIVE_BYTES
-        self._send_buffers = [self.transport.buffer(_block_shape(padded, m.rows), dtype, x) for m in self._sends]
-        self._recv_buffers = [self.transport.buffer(_block_shape(padded, m.rows), dtype, x) for m in self._receives]
+        self._send_buffers = [self.transport.buffer((_elements(padded, b),), dtype, x) for b in self._sends]
+        self._recv_buffers = [self.transport.buffer((_elements(padded, b),), dtype, x) for b in self._receives]
+        self._send_views = [_views(buffer, padded, b) for buffer, b in zip(self._send_buffers, self._sends)]
+        self._recv_views = [_views(buffer, padded, b) for buffer, b in zip(self._recv_buffers, self._receives)]
         self._send_requests = [comm.Send_init(_message(buffer), dest=m.peer, tag=m.tag)
                                for m, buffer in zip(self._sends, self._send_buffers)]
-        self._recv_types = [_subarray(padded, dtype.itemsize, m.rows) for m in self._receives] \
+        self._recv_types = [_bundle_type(padded, dtype.itemsize, b) for b in self._receives] \
             if self._receive_in_place else []
         self._bound_address = None
         self._recv_requests = [] if self._receive_in_place else [
@@ -375,8 +379,9 @@ class HaloPlan:
     # -- moving halos ---------------------------------------------------------
     def _begin(self, source, rows, working):
         """Pack ``rows`` of ``source`` and start the transfers that fill ``working``'s ghost rows."""
-        for region, m, buffer in zip(rows, self._sends, self._send_buffers):
-            self.transport.pack(devices.flip(source[region], m.flip), buffer)
+        for regions, bundle, views in zip(rows, self._sends, self._send_views):
+            for region, m, view in zip(regions, bundle.blocks, views):
+                self.transport.pack(devices.flip(source[region], m.flip), view)
         self.transport.synchronize(source)  # MPI must read finished data
         if self._receive_in_place and self._receives:
             self._bind_receives(working)
@@ -392,8 +397,9 @@ class HaloPlan:
         for source, ghost, flip in self._copies:
             working[ghost] = devices.flip(working[source], flip)
         if not self._receive_in_place:
-            for m, buffer in zip(self._receives, self._recv_buffers):
-                self.transport.unpack(buffer, working[m.rows])
+            for bundle, views in zip(self._receives, self._recv_views):
+                for m, view in zip(bundle.blocks, views):
+                    self.transport.unpack(view, working[m.rows])
             self.transport.after_unpack(working)  # the next exchange reuses the staging buffers
 
     def _bind_receives(self, view):
@@ -423,7 +429,7 @@ class HaloPlan:
         self._check_usable()
         self._check_array(padded, self.padded_shape, "padded")
         working = self.transport.view(padded)
-        self._begin(working, [m.rows for m in self._sends], working)
+        self._begin(working, [[m.rows for m in b.blocks] for b in self._sends], working)
         self._in_flight = (padded, working)
 
     def wait(self):
@@ -489,16 +495,18 @@ class HaloPlan:
         # Each forward message in reverse, same tag: the ghost rows' gradients (packed into
         # the forward receive buffers) go back to their owners, arriving in the send buffers.
         working = self.transport.view(grad)
-        for m, buffer in zip(self._receives, self._recv_buffers):
-            self.transport.pack(working[m.rows], buffer)
+        for bundle, views in zip(self._receives, self._recv_views):
+            for m, view in zip(bundle.blocks, views):
+                self.transport.pack(working[m.rows], view)
         self.transport.synchronize(grad)
         requests = [self._comm.Irecv(_message(buffer), source=m.peer, tag=m.tag)
                     for m, buffer in zip(self._sends, self._send_buffers)]
         requests += [self._comm.Isend(_message(buffer), dest=m.peer, tag=m.tag)
                      for m, buffer in zip(self._receives, self._recv_buffers)]
         wait_all(requests)
-        for m, buffer in zip(self._sends, self._send_buffers):
-            self.transport.accumulate(_mirrored(buffer, m.flip), out[shard_rows(m.rows)])
+        for bundle, views in zip(self._sends, self._send_views):
+            for m, view in zip(bundle.blocks, views):
+                self.transport.accumulate(_mirrored(view, m.flip), out[shard_rows(m.rows)])
         self.transport.synchronize(out)  # the next exchange reuses the buffers
         return out
 
@@ -539,7 +547,7 @@ class HaloPlan:
             for datatype in self._recv_types:
                 datatype.Free()
         self._requests, self._recv_types = [], []
-        self._send_buffers = self._recv_buffers = self._like = None
+        self._send_buffers = self._recv_buffers = self._send_views = self._recv_views = self._like = None
 
     def __del__(self):
         # Local handles only, so safe at any time; a plan dropped mid-exchange keeps its
@@ -574,6 +582,51 @@ def _block_shape(shape, rows):
     """The shape of block ``rows`` (an index of slices, maybe shorter than ``shape``) of an array of ``shape``."""
     rows = tuple(rows) + (slice(None),) * (len(shape) - len(rows))
     return tuple(len(range(*s.indices(n))) for s, n in zip(rows, shape))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Bundle:
+    """The blocks (layout messages) one rank exchanges with ``peer`` in one direction: one MPI message."""
+
+    peer: int
+    tag: int
+    blocks: tuple
+
+
+def _bundles(messages):
+    """Group a layout's messages by peer, each group in tag order (the order both ends see)."""
+    peers = {}
+    for m in messages:
+        peers.setdefault(m.peer, []).append(m)
+    return [_Bundle(peer, min(m.tag for m in group), tuple(sorted(group, key=lambda m: m.tag)))
+            for peer, group in peers.items()]
+
+
+def _elements(shape, bundle):
+    """The number of elements of ``bundle``'s blocks of an array of ``shape``."""
+    return sum(math.prod(_block_shape(shape, m.rows)) for m in bundle.blocks)
+
+
+def _views(buffer, shape, bundle):
+    """Views of flat ``buffer``, one per block of ``bundle``, each of its block's shape."""
+    views, start = [], 0
+    for m in bundle.blocks:
+        block = _block_shape(shape, m.rows)
+        n = math.prod(block)
+        views.append(buffer[start:start + n].reshape(block))
+        start += n
+    return views
+
+
+def _bundle_type(shape, itemsize, bundle):
+    """The committed datatype of ``bundle``'s blocks of a C-contiguous array of ``shape``, in order."""
+    blocks = [_subarray(shape, itemsize, m.rows) for m in bundle.blocks]
+    if len(blocks) == 1:
+        return blocks[0]
+    joined = mpi().Datatype.Create_struct([1] * len(blocks), [0] * len(blocks), blocks).Commit()
+    for block in blocks:
+        block.Free()
+    return joined
 
 
 def _subarray(shape, itemsize, rows):

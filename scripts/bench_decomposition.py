@@ -24,7 +24,8 @@ the two variants of one boundary produce the same padded *global* field, cut to 
 
 Reported per variant: bytes each rank sends to *other* ranks per exchange (max and mean over
 ranks; exact, from ``plan.layout.sends``: what would cross a network, independent of the
-machine), the bytes it fills by local copies (mean), messages sent per rank (max), and the median
+machine), the bytes it fills by local copies (mean), MPI messages sent per rank (max: one per
+peer, the plan packs its blocks for a peer together), and the median
 over repeats of the slowest rank's ``plan.exchange(padded)`` (every call after a barrier; the
 variants take turns, in a rotating order, so load changes hit them alike), with ratios of bytes
 (2-D over 1-D of the same boundary) and of time (over the 1-D slabs without Earth). On one
@@ -123,7 +124,8 @@ class Variant:
         me = manager.domain_rank
         sends = [(view, m) for plan, view in zip(plans, self.views) for m in plan.layout.sends]
         remote = [view[m.rows].nbytes for view, m in sends if m.peer != me]
-        self.messages = len(remote)
+        # HaloPlan packs all the blocks for one peer into one message.
+        self.messages = sum(len({m.peer for m in plan.layout.sends if m.peer != me}) for plan in plans)
         self.remote_bytes = sum(remote)
         self.local_bytes = sum(view[ghost].nbytes for plan, view in zip(plans, self.views)
                                for _, ghost, _ in plan.layout.copies)
