@@ -180,3 +180,16 @@ def test_tiles_need_a_neighbour_per_halo_everywhere(world):
             message = str(error)
     messages = world.allgather(message)
     assert messages[0] is not None and len(set(messages)) == 1, messages
+
+
+def test_a_layer_that_leaves_a_sharded_dim_out_raises(world):
+    """A conv wrapped for latitude only, on tiles split in longitude too, raises instead of padding alone."""
+    if world.size < 2:
+        pytest.skip("needs tiles split in longitude")
+    with DomainParallelManager(world.size, (1, world.size), (-2, -1)) as manager:
+        x = torch.zeros(1, 1, 4, 4, dtype=torch.float64)
+        along_lat = DomainParallelConv2d(nn.Conv2d(1, 1, 3, padding=1).double(), -2, manager)
+        with pytest.raises(ValueError, match=r"the manager shards dim -1 too .* pass shard_dim=\(-2, -1\)"):
+            along_lat(x)
+        pointwise_in_lon = DomainParallelConv2d(nn.Conv2d(1, 1, (3, 1), padding=(1, 0)).double(), -2, manager)
+        assert pointwise_in_lon(x).shape == (1, 1, 4, 4)

@@ -16,7 +16,8 @@ from .._validate import normalize_dim, require_manager
 from ..manager import library_comm
 from .halo import HaloExchange
 
-__all__ = ["Wrapper", "fetch_rows", "layer_agree", "layer_extents", "place", "shard_dims", "sharded", "spatial_axis"]
+__all__ = ["Wrapper", "fetch_rows", "layer_agree", "layer_extents", "place", "require_covered", "shard_dims", "sharded",
+           "spatial_axis"]
 
 
 def shard_dims(shard_dim):
@@ -27,6 +28,23 @@ def shard_dims(shard_dim):
 def _manager_dims(manager, x):
     """The manager's sharded dims of ``x``, normalised (those ``x`` has)."""
     return [d % x.ndim for d in manager.shard_dims if -x.ndim <= d < x.ndim]
+
+
+def require_covered(manager, x, shard_dim, spatial, name, local):
+    """Raise ValueError if ``manager`` shards a spatial dim of ``x`` that the layer's ``shard_dim`` leaves out.
+
+    ``local(axis)`` says whether the layer needs only a row's own input along spatial ``axis``
+    (then the dim may stay out). Local; alike on every rank (it depends on the manager and the
+    layer alone).
+    """
+    mine = {spatial_axis(x, d, spatial, name)[0] for d in shard_dims(shard_dim)}
+    for d, parts in zip(manager.shard_dims, manager.domain_shape):
+        if parts > 1 and -x.ndim <= d < x.ndim and d % x.ndim not in mine:
+            axis = d % x.ndim - (x.ndim - spatial)
+            if 0 <= axis and not local(axis):
+                raise ValueError(f"{name}(shard_dim={shard_dim}): the manager shards dim {d} too "
+                                 f"({manager.domain_shape} tiles), which this layer would pad on its own; "
+                                 f"pass shard_dim={manager.shard_dim} (the manager's)")
 
 
 def place(manager, x, dim):

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from . import rows
-from ._shard import Wrapper, fetch_rows, layer_agree, layer_extents, place, shard_dims, spatial_axis
+from ._shard import Wrapper, fetch_rows, layer_agree, layer_extents, place, require_covered, shard_dims, spatial_axis
 
 __all__ = [
     "DomainParallelConv2d",
@@ -87,6 +87,8 @@ class _ForwardConv(_Conv):
         conv, name, manager = self.conv, type(self).__name__, self._manager()
         dims = shard_dims(self.shard_dim)
         pads, axes = conv_padding(conv), []
+        require_covered(manager, x, self.shard_dim, self._spatial, name,
+                        lambda a: conv.kernel_size[a] == 1 and conv.stride[a] == 1 and pads[a] == (0, 0))
         overrides = self.padding_override if len(dims) > 1 else (self.padding_override,)
         for shard_dim, override in zip(dims, overrides or (None,) * len(dims)):
             dim, axis = spatial_axis(x, shard_dim, self._spatial, name)
@@ -193,6 +195,9 @@ class _TransposedConv(_Conv):
         error = None
         if output_size is not None:
             error = TypeError(f"{name} takes no output_size; set output_padding on the wrapped layer instead")
+        require_covered(manager, x, self.shard_dim, self._spatial, name,
+                        lambda a: conv.dilation[a] * (conv.kernel_size[a] - 1) + 1 == conv.stride[a]
+                        and conv.padding[a] == 0 and conv.output_padding[a] == 0)
         cuts = []  # (dim, window) per sharded dim
         for shard_dim in shard_dims(self.shard_dim):
             dim, axis = spatial_axis(x, shard_dim, self._spatial, name)

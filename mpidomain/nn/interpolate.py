@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from . import rows
-from ._shard import fetch_rows, layer_extents, shard_dims, spatial_axis
+from ._shard import fetch_rows, layer_extents, require_covered, shard_dims, spatial_axis
 
 __all__ = ["DomainParallelInterpolate"]
 
@@ -119,6 +119,8 @@ class DomainParallelInterpolate(torch.nn.Module):
         spatial = x.ndim - 2
         size, scale = _per_dim(self.size, spatial, "size"), _per_dim(self.scale_factor, spatial, "scale_factor")
         settings = (size, scale, self.mode, self.align_corners, self.recompute_scale_factor)
+        require_covered(manager, x, self.shard_dim, spatial, name,
+                        lambda a: size is None and scale[a] == 1)
         along = []  # (dim, window, indices, weights) per sharded dim
         for shard_dim in shard_dims(self.shard_dim):
             dim, axis = spatial_axis(x, shard_dim, spatial, name)
