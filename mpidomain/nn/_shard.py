@@ -16,7 +16,7 @@ from .._validate import normalize_dim, require_manager
 from ..manager import library_comm
 from .halo import HaloExchange
 
-__all__ = ["Wrapper", "fetch_rows", "layer_agree", "layer_extents", "place", "require_covered", "shard_dims", "sharded",
+__all__ = ["Wrapper", "fetch_rows", "layer_agree", "layer_extents", "place", "require_covered", "shard_dims",
            "spatial_axis"]
 
 
@@ -82,11 +82,6 @@ def layer_agree(manager, name, x, dim, settings, error=None):
         description = (settings, str(x.dtype), shape, bool(x.requires_grad))
     agree(library_comm(manager), name, description, error=error)
     return place(manager, x, dim)
-
-
-def sharded(manager, x, dim):
-    """True if normalised ``dim`` of ``x`` is a dim ``manager`` shards."""
-    return dim in _manager_dims(manager, x)
 
 
 def layer_extents(manager, name, x, dim, settings, error=None):
