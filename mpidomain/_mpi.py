@@ -30,15 +30,28 @@ def is_active():
     return _MPI.Is_initialized() and not _MPI.Is_finalized()
 
 
-def raise_on_all_ranks(comm, error):
+def raise_on_all_ranks(comm, error, call=None):
     """Raise on every rank of ``comm`` if ``error`` is set on any rank.
 
     Collective: call on all ranks of ``comm``; pass ``None`` where the local
     checks passed. Every rank raises the same exception type (that of the
     lowest failing rank) with a message listing each failing rank's error, so
-    a mistake only one rank can see never leaves the others waiting.
+    a mistake only one rank can see never leaves the others waiting. Waits
+    for the other ranks at most :func:`timeout_seconds`; ``call`` names the
+    entry point in that error.
     """
+    fence(comm, call or "an error check")
     raise_reported(comm.allgather(error_report(error)), error)
+
+
+def fence(comm, call):
+    """Wait until every rank of ``comm`` reached ``call``, at most :func:`timeout_seconds`, else raise RuntimeError.
+
+    Collective: one non-blocking barrier. Put it before a blocking
+    collective that starts an entry point (no agreement step before it), so
+    a rank that skipped the call cannot leave the others in it forever.
+    """
+    wait_with_deadline(comm, comm.Ibarrier(), call)
 
 
 def error_report(error):
@@ -77,14 +90,16 @@ def _ranges(ranks):
             spans.append([rank, rank])
     return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
 
-def check_same(comm, value, what, fix="", error=None):
+def check_same(comm, value, what, fix="", error=None, call=None):
     """Raise ValueError on every rank unless all ranks passed the same ``value``.
 
-    Collective: call on all ranks of ``comm``: one allgather. The message lists
+    Collective: call on all ranks of ``comm``: a :func:`fence` (``call`` names
+    the entry point), then one allgather. The message lists
     what each rank had; ``what`` names the argument and ``fix`` says how to
     mend it. An ``error`` found locally on any rank is raised first, as
     :func:`raise_on_all_ranks` raises it, in the same step.
     """
+    fence(comm, call or f"the check of {what}")
     gathered = comm.allgather((error_report(error), value if error is None else None))
     raise_reported([report for report, _ in gathered], error)
     values = [v for _, v in gathered]
@@ -218,49 +233,73 @@ def timeout_seconds():
     return seconds
 
 
+def group_name(comm):
+    """Return how messages name ``comm``'s group: the name the manager gave it, else its size."""
+    return comm.Get_name() or f"a group of {comm.Get_size()} ranks"
+
+
 def wait_with_deadline(comm, request, call):
     """Complete ``request`` of an agreement on ``comm``, or raise RuntimeError after :func:`timeout_seconds`.
 
     A rank that skipped ``call`` (or ended) leaves the others waiting here: the
     deadline turns that hang into an error on every waiting rank (and, with the
-    abort-on-error hook, the end of the job). Spins briefly, then sleeps
-    between polls, so a long wait does not take a core from other ranks.
+    abort-on-error hook, the end of the job).
     """
-    if request.Test():
+    _wait([request], comm, call, None, sleep=True)
+
+
+def wait_all(requests, *, comm=None, call="a wait", awaiting=None):
+    """Complete every request, or raise RuntimeError after :func:`timeout_seconds` (``MPIDOMAIN_TIMEOUT``).
+
+    Like ``MPI.Request.Waitall``, but bounded, and without its busy poll
+    holding the core: where ranks outnumber cores (a laptop's
+    ``mpiexec -n 4``), the rank being waited for may need that very core.
+    Spins briefly, then yields between polls. On expiry the error
+    names ``call``, ``comm``'s group and, from ``awaiting`` (one description
+    per request, or a function returning them, called only then), what is
+    still outstanding; ``comm`` is then out of step, and later agreements on
+    it raise at once.
+    """
+    _wait(requests, comm, call, awaiting, sleep=False)
+
+
+def _wait(requests, comm, call, awaiting, sleep):
+    """Poll ``requests`` until done or past the deadline; ``sleep``: also sleep between polls after 1 ms."""
+    MPI = mpi()
+    if MPI.Request.Testall(requests):
         return
     limit = timeout_seconds()
     start = time.monotonic()
     pause = 0.0
-    while not request.Test():
+    while not MPI.Request.Testall(requests):
         waited = time.monotonic() - start
         _yield_core(waited)
         if limit is not None and waited > limit:
-            _TIMED_OUT.add(comm.py2f())
-            raise RuntimeError(
-                f"{call}: rank {comm.Get_rank()} of its group waited {waited:.0f} s for the other ranks "
-                f"(MPIDOMAIN_TIMEOUT={limit:g}); a rank skipped this call, ended, or is stuck in something else. "
-                "Every rank must make the same mpidomain calls in the same order: look for a call only some "
-                "ranks make (under an if on the rank, or skipped by an exception); raise MPIDOMAIN_TIMEOUT if "
-                "some ranks legitimately arrive this much later"
-            )
-        if waited > 0.001:
+            raise _timed_out(requests, comm, call, awaiting, waited, limit)
+        if sleep and waited > 0.001:
             pause = min(0.01, pause + 0.0001)
             time.sleep(pause)
 
 
-def wait_all(requests):
-    """Complete every request, letting other processes on this core run between polls.
-
-    Like ``MPI.Request.Waitall``, whose busy poll holds the core: where ranks
-    outnumber cores (a laptop's ``mpiexec -n 4``), the rank being waited for
-    may need that very core.
-    """
-    MPI = mpi()
-    if MPI.Request.Testall(requests):
-        return
-    start = time.monotonic()
-    while not MPI.Request.Testall(requests):
-        _yield_core(time.monotonic() - start)
+def _timed_out(requests, comm, call, awaiting, waited, limit):
+    """The RuntimeError of a wait past its deadline; marks ``comm`` out of step."""
+    where = "this rank"
+    if comm is not None:
+        _TIMED_OUT.add(comm.py2f())
+        where = f"rank {comm.Get_rank()} of {group_name(comm)}"
+    if callable(awaiting):
+        awaiting = awaiting()
+    outstanding = ""
+    if awaiting is not None:
+        # Get_status completes nothing: a request Testall left pending is still pending.
+        pending = [what for request, what in zip(requests, awaiting) if not request.Get_status()]
+        outstanding = f", still awaiting {'; '.join(pending)}" if pending else ""
+    return RuntimeError(
+        f"{call}: {where} waited {waited:.0f} s for the other ranks (MPIDOMAIN_TIMEOUT={limit:g}){outstanding}; "
+        "a rank skipped this call, ended, or is stuck in something else. Every rank must make the same mpidomain "
+        "calls in the same order: look for a call only some ranks make (under an if on the rank, or skipped by an "
+        "exception); raise MPIDOMAIN_TIMEOUT if some ranks legitimately arrive this much later"
+    )
 
 
 def _yield_core(waited):

@@ -391,7 +391,8 @@ class HaloPlan:
     def _finish(self, working):
         """Wait for the transfers; fill ``working``'s ghost rows that are not messages or did not arrive in place."""
         if self._requests:
-            wait_all(self._requests)
+            wait_all(self._requests, comm=self._comm, call="halo exchange",
+                     awaiting=lambda: _awaiting(self._receives, self._sends))
         for rows in self._zeros:
             working[rows] = 0
         for source, ghost, flip in self._copies:
@@ -503,7 +504,8 @@ class HaloPlan:
                     for m, buffer in zip(self._sends, self._send_buffers)]
         requests += [self._comm.Isend(_message(buffer), dest=m.peer, tag=m.tag)
                      for m, buffer in zip(self._receives, self._recv_buffers)]
-        wait_all(requests)
+        wait_all(requests, comm=self._comm, call="HaloPlan.adjoint",
+                 awaiting=lambda: _awaiting(self._sends, self._receives))
         for bundle, views in zip(self._sends, self._send_views):
             for m, view in zip(bundle.blocks, views):
                 self.transport.accumulate(_mirrored(view, m.flip), out[shard_rows(m.rows)])
@@ -644,6 +646,12 @@ def _mirrored(buffer, dims):
         return buffer
     flipped = devices.flip(buffer, dims)
     return flipped if devices.array_kind(flipped) == "torch" else flipped.copy()  # NumPy, CuPy: a view so far
+
+
+def _awaiting(receives, sends):
+    """What each request of a transfer (receives first, then sends) waits for, in words, for a timeout's message."""
+    return ([f"the message from domain rank {m.peer} (tag {m.tag})" for m in receives]
+            + [f"domain rank {m.peer} to take this rank's message (tag {m.tag})" for m in sends])
 
 
 def _is_sharded(manager, dim, ndim):

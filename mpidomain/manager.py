@@ -23,7 +23,7 @@ import warnings
 
 from . import abort, binding
 from . import torch_bridge as bridge
-from ._mpi import check_same, forget_timeout, is_active, mpi
+from ._mpi import _ranges, check_same, forget_timeout, is_active, mpi
 from ._validate import is_int
 from .launcher import check_launcher_world, detect_launcher
 from .mesh import AXES, Mesh
@@ -143,7 +143,7 @@ class DomainParallelManager:
         check_same(comm, (world_size, _plain(domain_parallel_size), _plain(shard_dim), tensor_parallel_size,
                           bool(torch_bridge), _plain(bind_device)),
                    "(world_size, domain_parallel_size, shard_dim, tensor_parallel_size, torch_bridge, bind_device)",
-                   "Pass the same values everywhere.", error=error)
+                   "Pass the same values everywhere.", error=error, call="DomainParallelManager")
         self.torch_bridge = bool(torch_bridge)
         self._torch_default_group = bridge.acquire_default_group(comm) if self.torch_bridge else None
 
@@ -177,6 +177,16 @@ class DomainParallelManager:
             i_lat, i_lon = self.domain_coords
             self._private["band"] = self._private["domain"].Split(i_lat, i_lon)
             self._private["column"] = self._private["domain"].Split(i_lon, i_lat)
+        # Names for the library's messages (a timeout names the group it waited in).
+        self._comm.Set_name(f"the manager's communicator ({comm.Get_size()} ranks)")
+        for key, axis, label in (("domain", "domain", "domain"), ("tp", "tp", "tensor-parallel"),
+                                 ("data", "dp", "data-parallel")):
+            self._private[key].Set_name(f"{label} group {self.mesh.group_index(axis)} "
+                                        f"(ranks {_ranges(list(self.mesh.group_ranks(axis)))})")
+        if len(self.domain_shape) == 2:
+            domain = self._private["domain"].Get_name()
+            self._private["band"].Set_name(f"tile row {i_lat} of {domain}")
+            self._private["column"].Set_name(f"tile column {i_lon} of {domain}")
         self._next_tag = 16  # tags handed out collectively by allocate_tags()
         # The node's lowest rank is its node-local rank 0 (Split_type was keyed by rank): no collective.
         node_group, world_group = self._node_comm.Get_group(), self._comm.Get_group()

@@ -18,7 +18,7 @@ import math
 import numpy as np
 
 from . import devices, transport
-from ._mpi import agree, mpi
+from ._mpi import agree, mpi, wait_all
 from ._validate import normalize_dim, require_int, require_manager
 from .manager import get_domain_parallel_manager, library_comm
 
@@ -214,12 +214,13 @@ def _free(types):
 
 
 def _alltoallw(comm, sendbuf, send_types, recvbuf, recv_types):
-    """One MPI_Alltoallw; ``None`` in a type list means nothing to or from that rank."""
+    """One MPI_Alltoallw (waited for at most ``MPIDOMAIN_TIMEOUT``); ``None`` in a type list means nothing to or from that rank."""
     MPI = mpi()
     counts = [[int(t is not None) for t in types] for types in (send_types, recv_types)]
     types = [[t if t is not None else MPI.BYTE for t in types] for types in (send_types, recv_types)]
     zeros = [0] * comm.Get_size()
-    comm.Alltoallw([sendbuf, counts[0], zeros, types[0]], [recvbuf, counts[1], zeros, types[1]])
+    request = comm.Ialltoallw([sendbuf, counts[0], zeros, types[0]], [recvbuf, counts[1], zeros, types[1]])
+    wait_all([request], comm=comm, call="gather_tensor", awaiting=["the shards of every other rank of the group"])
 
 
 def _concatenate(blocks, dim, out=None):
@@ -539,7 +540,8 @@ def _scatter(comm, x, dim, root, out):
     if outer * row_bytes * counts[rank] == 0:
         return out
     with transport.transport_for(out).writable(out) as memory:
-        comm.Recv([memory, mpi().BYTE], source=root, tag=_SCATTER_TAG)
+        wait_all([comm.Irecv([memory, mpi().BYTE], source=root, tag=_SCATTER_TAG)], comm=comm, call="scatter_tensor",
+                 awaiting=[f"its rows from the root (rank {root} of the group)"])
     return out
 
 
@@ -558,12 +560,18 @@ def _scatter_send(comm, x, dim, counts, offsets, outer, row_bytes):
         chunks = [_copy_rows(x, dim, offsets[r], counts[r]) for r in others]
         way.synchronize(x)
         requests = [comm.Isend([devices.mpi_buffer(c), MPI.BYTE], dest=r, tag=_SCATTER_TAG) for r, c in zip(others, chunks)]
-        MPI.Request.Waitall(requests)
+        _wait_for_receivers(comm, requests, others)
         return
     source = way.readable(devices.contiguous(x))
     types = _placed_types(outer, row_bytes, counts, offsets, sum(counts))
     try:
         requests = [comm.Isend([source, 1, types[r]], dest=r, tag=_SCATTER_TAG) for r in others]
-        MPI.Request.Waitall(requests)
+        _wait_for_receivers(comm, requests, others)
     finally:
         _free(types)
+
+
+def _wait_for_receivers(comm, requests, ranks):
+    """On the root: wait (at most ``MPIDOMAIN_TIMEOUT``) until ``ranks`` took their rows."""
+    wait_all(requests, comm=comm, call="scatter_tensor",
+             awaiting=[f"rank {r} of the group to take its rows" for r in ranks])

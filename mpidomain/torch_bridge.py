@@ -13,7 +13,7 @@ import os
 import socket
 import sys
 
-from ._mpi import check_same, error_report, mpi, raise_on_all_ranks, raise_reported
+from ._mpi import check_same, error_report, fence, mpi, raise_on_all_ranks, raise_reported
 
 __all__ = [
     "init_torch_distributed",
@@ -206,6 +206,7 @@ def init_torch_distributed(backend=None, *, comm=None, timeout=None):
     state = None
     if error is None:
         state = dist.is_initialized() and (dist.get_rank(), dist.get_world_size())
+    fence(comm, "init_torch_distributed")
     gathered = comm.allgather((error_report(error), state))  # one step: errors, and who is initialised
     raise_reported([report for report, _ in gathered], error)
     states = [state for _, state in gathered]
@@ -217,7 +218,7 @@ def init_torch_distributed(backend=None, *, comm=None, timeout=None):
         backend = "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
     backend = check_same(comm, str(backend), "backend",
                          "Pass the same backend= on every rank (with backend=None, CUDA was available on some "
-                         "ranks only).")
+                         "ranks only).", call="init_torch_distributed")
     rank, size = comm.Get_rank(), comm.Get_size()
     local_rank, local_size = _local_layout(comm)
     rendezvous, error = None, None
@@ -226,7 +227,7 @@ def init_torch_distributed(backend=None, *, comm=None, timeout=None):
             rendezvous = master_address(), master_port()
         except (OSError, ValueError) as failure:
             error = failure
-    raise_on_all_ranks(comm, error)
+    raise_on_all_ranks(comm, error, "init_torch_distributed")
     address, port = comm.bcast(rendezvous, root=0)
 
     for name, value in (("RANK", rank), ("WORLD_SIZE", size), ("LOCAL_RANK", local_rank),
