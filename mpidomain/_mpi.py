@@ -149,16 +149,22 @@ class Agreement:
     """
 
     def __init__(self, comm, call, description, flag=False, error=None, mismatch=None, token=0, code=None):
-        if comm.py2f() in _TIMED_OUT:
+        # Through the communicator the library comms of this membership share: there, a rank using
+        # another manager (another owner) in this call meets this one instead of waiting elsewhere.
+        shared, self._owner, mark = _ROUTES.get(comm.py2f(), ([comm], None, 0))
+        agreement_comm = shared[0]
+        if comm.py2f() in _TIMED_OUT or agreement_comm.py2f() in _TIMED_OUT:
             raise RuntimeError(
                 f"{call}: an earlier mpidomain call on this group timed out waiting for the other ranks, so the "
                 "group's ranks are no longer in step; end the job (and fix the call only some ranks made)"
             )
+        comm = agreement_comm
         self._comm, self._call, self._description = comm, call, description
         self._error, self._mismatch = error, mismatch
         local = None if error is None else f"{type(error).__name__}: {error}"
-        self._values = _agreement_values((call, description, local), flag, token,
-                                         code if error is None else None)
+        if code is None or error is not None:
+            code = digest((call, description, local))
+        self._values = _agreement_values(None, flag, token, code ^ mark)
         self._request = comm.Iallreduce(mpi().IN_PLACE, self._values, op=mpi().MAX)
 
     def result(self):
@@ -170,7 +176,18 @@ class Agreement:
             if error is not None:
                 raise error
             return any_flag
-        everyone = comm.allgather((call, description, error is not None))
+        everyone = comm.allgather((call, description, error is not None, self._owner))
+        owners = {}
+        for rank, (c, _, _, owner) in enumerate(everyone):
+            owners.setdefault(owner, []).append(rank)
+        if len(owners) > 1:
+            listing = ", ".join(f"{owner} on rank{'s' * (len(r) > 1)} {_ranges(r)}" for owner, r in owners.items())
+            raise RuntimeError(
+                f"{call}: the ranks of {group_name(comm)} use different managers in the same mpidomain call "
+                f"({listing}); every rank must use its managers in the same order: look for managers picked "
+                "by rank (or in an order that differs across ranks)"
+            )
+        everyone = [e[:3] for e in everyone]
         calls = [c for c, _, _ in everyone]
         if len(set(calls)) > 1:
             listing = ", ".join(f"rank {r}: {c}" for r, c in enumerate(calls))
@@ -214,6 +231,70 @@ _TIMED_OUT = set()  # handles of the library communicators whose agreement timed
 def forget_timeout(comm):
     """Drop ``comm`` from the timed-out communicators (it is being freed; its handle may be reused)."""
     _TIMED_OUT.discard(comm.py2f())
+
+
+_ROUTES = {}  # handle of a library communicator -> (its shared entry, owner's name, digest of the name)
+_SHARED = {}  # membership (world ranks in rank order) -> [agreement communicator, live comms routed there, membership]
+_OWNERS = [0]  # owners numbered so far, agreed on by the ranks that made each
+
+
+def share_agreements(anchor, comms, label):
+    """Route the agreements of ``comms`` through communicators shared with others of the same members; return the owner's number.
+
+    Collective over ``anchor``, whose ranks must hold all of ``comms`` (each
+    collective over its own ranks, passed in the same order everywhere).
+    ``comms`` (say, one manager's private communicators) get an owner number
+    agreed across ``anchor`` (one more than any owner any of its ranks
+    numbered before) and the name ``label.format(number=...)``. Every
+    :func:`agree` on one of them travels through one communicator per
+    membership (world ranks in rank order), the same for all live owners'
+    comms of that membership, with the owner in its digest: ranks of one
+    group using different owners in the same call meet there and raise,
+    naming the owners, instead of waiting on two communicators until the
+    timeout. Release with :func:`unshare_agreements`.
+    """
+    MPI = mpi()
+    world = MPI.COMM_WORLD.Get_group()
+    keys = []
+    for comm in comms:
+        group = comm.Get_group()
+        keys.append(tuple(group.Translate_ranks(list(range(comm.Get_size())), world)))
+        group.Free()
+    world.Free()
+    found = all(key in _SHARED for key in keys if len(key) > 1)
+    values = np.array([_OWNERS[0] + 1, -int(found)], dtype=np.int64)
+    anchor.Allreduce(MPI.IN_PLACE, values, op=MPI.MAX)
+    number, reuse = int(values[0]), int(values[1]) == -1  # every rank found every membership
+    _OWNERS[0] = number
+    name = label.format(number=number)
+    created = {}
+    for comm, key in zip(comms, keys):
+        if len(key) == 1:  # one rank: nothing to meet
+            continue
+        if key in created or reuse:
+            shared = created.get(key) or _SHARED[key]
+        else:
+            shared = [comm.Dup(), 0, key]
+            shared[0].Set_name(comm.Get_name())
+            _SHARED[key] = created[key] = shared
+        shared[1] += 1
+        _ROUTES[comm.py2f()] = (shared, name, digest(name))
+    return number
+
+
+def unshare_agreements(comms):
+    """Stop routing ``comms``' agreements; free a shared communicator no live comm uses. Collective like ``Free``."""
+    for comm in comms:
+        route = _ROUTES.pop(comm.py2f(), None)
+        if route is None:
+            continue
+        shared = route[0]
+        shared[1] -= 1
+        if shared[1] == 0:
+            if _SHARED.get(shared[2]) is shared:
+                del _SHARED[shared[2]]
+            forget_timeout(shared[0])
+            shared[0].Free()
 
 
 def timeout_seconds():

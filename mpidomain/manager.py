@@ -23,7 +23,7 @@ import warnings
 
 from . import abort, binding
 from . import torch_bridge as bridge
-from ._mpi import _ranges, check_same, forget_timeout, is_active, mpi
+from ._mpi import _ranges, check_same, forget_timeout, is_active, mpi, share_agreements, unshare_agreements
 from ._validate import is_int
 from .launcher import check_launcher_world, detect_launcher
 from .mesh import AXES, Mesh
@@ -126,10 +126,16 @@ class DomainParallelManager:
     :param bind_device: GPU per rank when torch or cupy (already imported) sees CUDA:
         ``"auto"`` (node-local rank modulo the device count), a list (one device index per
         node-local rank) or ``"none"`` (leave it). See :func:`mpidomain.bind_device`.
+    :param abort_on_error: Install the ``sys.excepthook`` that aborts every rank when one dies
+        of an uncaught exception (:func:`mpidomain.abort.install_abort_on_error`), as
+        :func:`initialize_domain_parallel` does; default: unless ``MPIDOMAIN_ABORT_ON_ERROR=0``.
+
+    ``number`` is the manager's number, alike on every rank (1 for the first manager): errors
+    name managers by it.
     """
 
     def __init__(self, world_size, domain_parallel_size, shard_dim=-2, *, tensor_parallel_size=1, comm=None,
-                 torch_bridge=False, bind_device="auto"):
+                 torch_bridge=False, bind_device="auto", abort_on_error=None):
         MPI = mpi()
         check_launcher_world(MPI.COMM_WORLD.Get_size(), library=MPI.Get_library_version().splitlines()[0])
         if comm is None:
@@ -187,6 +193,10 @@ class DomainParallelManager:
             domain = self._private["domain"].Get_name()
             self._private["band"].Set_name(f"tile row {i_lat} of {domain}")
             self._private["column"].Set_name(f"tile column {i_lon} of {domain}")
+        # Agreements of managers with the same groups meet on shared communicators, so ranks using two
+        # managers in different orders raise at once, naming both (by a number the ranks agree on).
+        self._library_comms = [*self._private.values(), self._comm]
+        self.number = share_agreements(self._comm, self._library_comms, "manager #{number} " + self._describe())
         self._next_tag = 16  # tags handed out collectively by allocate_tags()
         # The node's lowest rank is its node-local rank 0 (Split_type was keyed by rank): no collective.
         node_group, world_group = self._node_comm.Get_group(), self._comm.Get_group()
@@ -217,6 +227,8 @@ class DomainParallelManager:
             self._domain_group, self._tp_group, self._dp_group = self._torch_groups
         self._closed = False
         self._close_callbacks = []
+        if abort.abort_on_error_enabled(abort_on_error):
+            abort.install_abort_on_error()
         logger.info(
             "domain parallel: rank %d, domain group %d (domain rank %d of %d), tensor-parallel rank %d of %d, "
             "data-parallel rank %d of %d", rank, self._domain_group_idx, self._domain_rank, self.domain_parallel_size,
@@ -426,6 +438,7 @@ class DomainParallelManager:
             bridge.release_default_group(self._torch_default_group)
             self._torch_default_group = None
         if is_active():
+            unshare_agreements(self._library_comms)
             for private in self._private.values():
                 forget_timeout(private)
                 private.Free()
@@ -447,11 +460,15 @@ class DomainParallelManager:
 
     def __repr__(self):
         state = "closed" if self._closed else f"rank={self._rank}"
+        return f"{self._describe()[:-1]}, {state})"
+
+    def _describe(self):
+        """The constructor call, alike on every rank."""
         return (
             f"DomainParallelManager(world_size={self.world_size}, "
             f"domain_parallel_size={self.domain_parallel_size if len(self.domain_shape) == 1 else self.domain_shape}, "
-            f"shard_dim={self.shard_dim}, "
-            f"{f'tensor_parallel_size={self.tensor_parallel_size}, ' if self.tensor_parallel_size > 1 else ''}{state})"
+            f"shard_dim={self.shard_dim}"
+            f"{f', tensor_parallel_size={self.tensor_parallel_size}' if self.tensor_parallel_size > 1 else ''})"
         )
 
 
@@ -536,7 +553,7 @@ def initialize_domain_parallel(world_size, domain_parallel_size, shard_dim=-2, *
     with the same arguments. Replaces (and frees) a previous manager. Unless
     ``abort_on_error=False`` or ``MPIDOMAIN_ABORT_ON_ERROR=0``, installs a
     ``sys.excepthook`` that aborts every rank when one dies of an uncaught
-    exception, so no rank waits forever.
+    exception, so no rank waits forever (as :class:`DomainParallelManager` does).
 
     :param world_size: Number of ranks in the communicator.
     :param domain_parallel_size: Ranks per domain group, or ``(D_lat, D_lon)`` for 2-D tiles.
@@ -546,12 +563,10 @@ def initialize_domain_parallel(world_size, domain_parallel_size, shard_dim=-2, *
     """
     global _MANAGER
     manager = DomainParallelManager(world_size, domain_parallel_size, shard_dim,
-                                    tensor_parallel_size=tensor_parallel_size, **options)
+                                    tensor_parallel_size=tensor_parallel_size, abort_on_error=abort_on_error, **options)
     previous, _MANAGER = _MANAGER, manager
     if previous is not None:
         previous.close()
-    if abort.abort_on_error_enabled(abort_on_error):
-        abort.install_abort_on_error()
     return manager
 
 

@@ -86,6 +86,27 @@ def test_subcommunicator_parent(world):
     half.Free()
 
 
+def test_managers_used_in_different_orders_raise_at_once(world):
+    # Their agreements meet on one communicator, so the mismatch raises on every rank, naming both managers.
+    if world.size == 1:
+        pytest.skip("needs two ranks to use the managers in different orders")
+    import numpy as np
+
+    with DomainParallelManager(world.size, world.size) as a, DomainParallelManager(world.size, world.size) as b:
+        assert a.number + 1 == b.number
+        odd, even = mpidomain._mpi._ranges(list(range(1, world.size, 2))), mpidomain._mpi._ranges(list(range(0, world.size, 2)))
+        described = f"DomainParallelManager\\(world_size={world.size}, domain_parallel_size={world.size}, shard_dim=-2\\)"
+        message = (rf"halo_exchange: the ranks of domain group 0 \(ranks 0-{world.size - 1}\) use different managers in "
+                   rf"the same mpidomain call \(manager #{a.number} {described} on ranks? {even}, manager #{b.number} "
+                   rf"{described} on ranks? {odd}\)")
+        with pytest.raises(RuntimeError, match=message):
+            for m in (a, b) if world.rank % 2 == 0 else (b, a):
+                mpidomain.halo_exchange(np.ones((4, 3)), 1, 0, manager=m)
+        # In the right order, both work.
+        for m in (a, b):
+            assert mpidomain.halo_exchange(np.ones((4, 3)), 1, 0, manager=m).shape == (6, 3)
+
+
 @pytest.mark.parametrize(
     "args, kind, words",
     [
