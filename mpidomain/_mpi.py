@@ -349,17 +349,19 @@ def _wait(requests, comm, call, awaiting, sleep):
     MPI = mpi()
     if MPI.Request.Testall(requests):
         return
-    limit = timeout_seconds()
     start = time.monotonic()
-    pause = 0.0
+    pause, limit = 0.0, False  # the setting is read once a wait lasts 1 ms, not on the fast path
     while not MPI.Request.Testall(requests):
         waited = time.monotonic() - start
         _yield_core(waited)
-        if limit is not None and waited > limit:
-            raise _timed_out(requests, comm, call, awaiting, waited, limit)
-        if sleep and waited > 0.001:
-            pause = min(0.01, pause + 0.0001)
-            time.sleep(pause)
+        if waited > 0.001:
+            if limit is False:
+                limit = timeout_seconds()
+            if limit is not None and waited > limit:
+                raise _timed_out(requests, comm, call, awaiting, waited, limit)
+            if sleep:
+                pause = min(0.01, pause + 0.0001)
+                time.sleep(pause)
 
 
 def _timed_out(requests, comm, call, awaiting, waited, limit):
