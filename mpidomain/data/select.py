@@ -111,12 +111,8 @@ def _select(variable, name, window, lat, lon):
 
 
 def _grid(manager):
-    """The manager's ((D_lat, D_lon), (i_lat, i_lon)); slabs are (D, 1) tiles. None: one rank alone."""
-    if manager is None:
-        return (1, 1), (0, 0)
-    if len(manager.domain_shape) == 1:
-        return (manager.domain_parallel_size, 1), (manager.domain_rank, 0)
-    return tuple(manager.domain_shape), tuple(manager.domain_coords)
+    """The manager's ``domain_shape`` and ``domain_coords``: one rank's whole field (slabs of one) if None."""
+    return ((1,), (0,)) if manager is None else (manager.domain_shape, manager.domain_coords)
 
 
 def _describe(data, lat, lon):
@@ -140,7 +136,7 @@ def _describe(data, lat, lon):
         [(data.name, data.variable)] + list(data.coords.variables.items())
     coordinates = [np.asarray(data[n].values).tobytes() for n in (lat, lon) if n in data.coords]
     return {
-        "dims": dims,
+        "dims": dict(sorted(dims.items())),  # a store's listing may order them differently on each rank
         "variables": digest(sorted((str(n), v.dims, v.shape, str(v.dtype)) for n, v in variables)),
         "coordinates": digest(coordinates),
     }
@@ -154,6 +150,8 @@ def _mismatch(descriptions):
         if any(v != values[0] for v in values):
             listing = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
             problems.append(f"{field} differ: {listing}")
+    if not problems:
+        problems = [f"rank {r}: {d}" for r, d in enumerate(descriptions)]
     return ValueError("select_tile needs the same data and arguments on every rank of the domain group (did a rank "
                       "open another file?):\n  " + "\n  ".join(problems))
 

@@ -102,17 +102,21 @@ def _flag(value):
 def tile_window(shape, grid, coords, halo=0, periodic=False, boundary=None):
     """Return the :class:`TileWindow` of tile ``coords`` of a ``grid``, halo settings spelled as :func:`mpidomain.halo_exchange`'s.
 
-    As there: an int ``halo`` pads latitude and longitude on tiles or with
-    ``boundary="earth"``, latitude only on slabs (``grid[1] == 1``); a pair
+    ``grid`` and ``coords`` are a manager's ``domain_shape`` and
+    ``domain_coords``: ``(D,)`` and ``(i,)`` for latitude slabs. As in
+    ``halo_exchange``, an int ``halo`` pads latitude and longitude on tiles or with
+    ``boundary="earth"``, latitude only on slabs; a pair
     pads each dim by its own width. ``periodic`` (one flag or a pair) wraps
     the padded dims; ``boundary="earth"`` folds latitude across the poles and
     wraps longitude. Raise TypeError/ValueError naming the fix. Local, pure.
     """
     if boundary not in (None, "earth"):
         raise ValueError(f"boundary must be None or 'earth', got {boundary!r}")
+    slabs = len(grid) == 1
+    grid, coords = (tuple(grid) + (1,), tuple(coords) + (0,)) if slabs else (tuple(grid), tuple(coords))
     halo, periodic = _pair("halo", halo, _width), _pair("periodic", periodic, _flag)
     if not isinstance(halo, tuple):
-        halo = (halo, 0) if grid[1] == 1 and boundary is None else (halo, halo)
+        halo = (halo, 0) if slabs and boundary is None else (halo, halo)
     if not isinstance(periodic, tuple):
         periodic = (periodic, periodic)
     if boundary == "earth":
@@ -128,4 +132,4 @@ def tile_window(shape, grid, coords, halo=0, periodic=False, boundary=None):
             raise ValueError(f"halo={h} along {name} is wider than the smallest tile there ({n} split over {parts} "
                              f"ranks leaves {smallest}); every tile must hold at least its halo: use a smaller halo "
                              "or fewer ranks along that dim")
-    return TileWindow(tuple(shape), tuple(grid), tuple(coords), halo, modes)
+    return TileWindow(tuple(shape), grid, coords, halo, modes)
