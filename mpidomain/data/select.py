@@ -52,40 +52,54 @@ class _PaddedArray(BackendArray):
             else:  # rows beyond a pole take their columns from half a turn away: a read of their own
                 mirrored = np.asarray(window.mirrored)[rows]
                 groups = [(np.flatnonzero(~mirrored), window.columns), (np.flatnonzero(mirrored), window.turned_columns)]
+        parts = []  # per group: the padded positions to fill and the global rows/columns they hold, per axis
         for positions, column_map in groups:
-            source, target, where = list(key), {}, {}
+            target, wanted = {}, {}
             if lat is not None:
                 positions = positions[global_rows[positions] >= 0]
-                if not len(positions):
-                    continue
-                source[lat], where[lat] = _readable(global_rows[positions])
-                target[lat] = positions
+                target[lat], wanted[lat] = positions, global_rows[positions]
             if lon is not None:
                 global_columns = np.asarray(column_map)[np.arange(self.shape[lon])[key[lon]]]
-                kept = np.flatnonzero(global_columns >= 0)
-                if not len(kept):
-                    continue
-                source[lon], where[lon] = _readable(global_columns[kept])
-                target[lon] = kept
+                target[lon] = np.flatnonzero(global_columns >= 0)
+                wanted[lon] = global_columns[target[lon]]
+            if all(len(p) for p in target.values()):
+                parts.append((target, wanted))
+        # Groups that need the same columns are read at once (on slabs the rows beyond a pole take all of them too).
+        reads = []
+        for part in parts:
+            same = [r for r in reads if lon is None or set(r[0][1][lon]) == set(part[1][lon])]
+            if same:
+                same[0].append(part)
+            else:
+                reads.append([part])
+        for read in reads:
+            source = list(key)
+            for axis in read[0][1]:
+                source[axis] = _readable(np.concatenate([wanted[axis] for _, wanted in read]))
             block = np.asarray(self._variable[tuple(source)].values)
-            for axis, inverse in where.items():
-                block = np.take(block, inverse, axis=axis)
-            axes = sorted(target)
-            ends = list(range(-len(axes), 0))
-            view = np.moveaxis(out, axes, ends)
-            view[(Ellipsis,) + np.ix_(*(target[a] for a in axes))] = np.moveaxis(block, axes, ends)
+            for target, wanted in read:
+                piece = block
+                for axis, indices in wanted.items():
+                    piece = np.take(piece, _positions(source[axis], indices), axis=axis)
+                axes = sorted(target)
+                ends = list(range(-len(axes), 0))
+                view = np.moveaxis(out, axes, ends)
+                view[(Ellipsis,) + np.ix_(*(target[a] for a in axes))] = np.moveaxis(piece, axes, ends)
         return out.squeeze(axis=tuple(dropped)) if dropped else out
 
 
 def _readable(indices):
-    """Global ``indices`` (any order, repeats allowed) as what to read, and where each lies in what was read.
-
-    What to read is a slice where the distinct indices are consecutive, else the sorted distinct indices.
-    """
-    unique, inverse = np.unique(indices, return_inverse=True)
+    """What to read for global ``indices`` (any order, repeats allowed): a slice where the distinct ones are
+    consecutive, else the sorted distinct indices."""
+    unique = np.unique(indices)
     if unique[-1] - unique[0] + 1 == len(unique):
-        return slice(int(unique[0]), int(unique[-1]) + 1), inverse
-    return unique, inverse
+        return slice(int(unique[0]), int(unique[-1]) + 1)
+    return unique
+
+
+def _positions(read, indices):
+    """Where each of the global ``indices`` lies in what :func:`_readable` read."""
+    return indices - read.start if isinstance(read, slice) else np.searchsorted(read, indices)
 
 
 def _coordinate(variable, mapping):
