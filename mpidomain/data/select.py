@@ -80,12 +80,36 @@ class _PaddedArray(BackendArray):
             for target, wanted in read:
                 piece = block
                 for axis, indices in wanted.items():
-                    piece = np.take(piece, _positions(source[axis], indices), axis=axis)
-                axes = sorted(target)
-                ends = list(range(-len(axes), 0))
-                view = np.moveaxis(out, axes, ends)
-                view[(Ellipsis,) + np.ix_(*(target[a] for a in axes))] = np.moveaxis(piece, axes, ends)
+                    piece = piece[_along(axis, _compact(_positions(source[axis], indices)))]
+                _place(out, {axis: _compact(positions) for axis, positions in target.items()}, piece)
         return out.squeeze(axis=tuple(dropped)) if dropped else out
+
+
+def _compact(indices):
+    """``indices`` as a slice where they are consecutive and increasing (indexing by it copies nothing)."""
+    if len(indices) and indices[-1] - indices[0] + 1 == len(indices) and np.all(np.diff(indices) == 1):
+        return slice(int(indices[0]), int(indices[-1]) + 1)
+    return indices
+
+
+def _along(axis, index):
+    """The index that takes ``index`` along ``axis``, all of the other dims."""
+    return (slice(None),) * axis + (index,)
+
+
+def _place(out, target, piece):
+    """Write ``piece`` into ``out`` at the outer product of ``target`` ({axis: slice or positions})."""
+    arrays = [axis for axis, index in target.items() if not isinstance(index, slice)]
+    if len(arrays) <= 1:  # basic indexing, or one advanced index that keeps its place
+        index = [slice(None)] * out.ndim
+        for axis, positions in target.items():
+            index[axis] = positions
+        out[tuple(index)] = piece
+        return
+    axes = sorted(target)
+    ends = list(range(-len(axes), 0))
+    spans = [np.arange(out.shape[a])[target[a]] if isinstance(target[a], slice) else target[a] for a in axes]
+    np.moveaxis(out, axes, ends)[(Ellipsis,) + np.ix_(*spans)] = np.moveaxis(piece, axes, ends)
 
 
 def _readable(indices):
