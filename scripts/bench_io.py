@@ -27,12 +27,14 @@ every time step's sample, all channels (t and u at every level, then sp), as its
 Reported per rank (the maximum over ranks): bytes read from the store per sample (counted by
 :class:`mpidomain.data.CountingStore`, metadata excluded) and as a fraction of the whole sample;
 peak resident memory while building the samples (Linux's VmHWM, reset before each method, less
-the resident memory before: what the method added; both methods run once untimed first); wall time per sample (slowest rank, median
+the resident memory before: what the method added; glibc set to return freed blocks at once;
+both methods run once untimed first); wall time per sample (slowest rank, median
 over steps). Ratios are select_tile over the baseline in the same run. The store was just
 written, so reads come from the page cache: times measure decoding and copying, not a disk.
 """
 
 import argparse
+import ctypes
 import gc
 import hashlib
 import os
@@ -101,6 +103,20 @@ def resident_kib(field):
     return 0
 
 
+def return_freed_memory():
+    """Make glibc give large freed blocks back to the system at once, so resident memory is what is held.
+
+    By default glibc raises its mmap threshold after a large free and keeps later blocks in its heap;
+    the peak of one method would then hide in memory an earlier one freed.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    libc.mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD: blocks of 128 KiB or more get their own mapping
+    libc.mallopt(-1, 128 * 1024)  # M_TRIM_THRESHOLD
+
+
 def reset_peak():
     """Reset VmHWM to the current resident memory (Linux >= 4.0); return that."""
     gc.collect()
@@ -155,6 +171,7 @@ def measure(method, path, manager, halo, steps):
 
 def main():
     args = parse()
+    return_freed_memory()
     shape = tuple(int(n) for n in args.shape.split(","))
     tiles = tuple(int(n) for n in args.tiles.split("x")) if args.tiles else None
     manager = mpidomain.DomainParallelManager(WORLD.size, tiles or WORLD.size, (-2, -1) if tiles else -2)
