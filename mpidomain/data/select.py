@@ -6,6 +6,8 @@ store's chunks they touch). The rows and columns come from
 :class:`~mpidomain.data.window.TileWindow`, the halo engine's arithmetic.
 """
 
+import itertools
+
 import numpy as np
 import xarray as xr
 from xarray.backends import BackendArray
@@ -77,39 +79,30 @@ class _PaddedArray(BackendArray):
             for axis in read[0][1]:
                 source[axis] = _readable(np.concatenate([wanted[axis] for _, wanted in read]))
             block = np.asarray(self._variable[tuple(source)].values)
-            for target, wanted in read:
-                piece = block
-                for axis, indices in wanted.items():
-                    piece = piece[_along(axis, _compact(_positions(source[axis], indices)))]
-                _place(out, {axis: _compact(positions) for axis, positions in target.items()}, piece)
+            for target, wanted in read:  # copied run by run: slices, no index arrays
+                axes = sorted(target)
+                runs = [_runs(target[a], _positions(source[a], wanted[a])) for a in axes]
+                for combination in itertools.product(*runs):
+                    into, taken = [slice(None)] * out.ndim, [slice(None)] * out.ndim
+                    for axis, (to, of) in zip(axes, combination):
+                        into[axis], taken[axis] = to, of
+                    out[tuple(into)] = block[tuple(taken)]
         return out.squeeze(axis=tuple(dropped)) if dropped else out
 
 
-def _compact(indices):
-    """``indices`` as a slice where they are consecutive and increasing (indexing by it copies nothing)."""
-    if len(indices) and indices[-1] - indices[0] + 1 == len(indices) and np.all(np.diff(indices) == 1):
-        return slice(int(indices[0]), int(indices[-1]) + 1)
-    return indices
-
-
-def _along(axis, index):
-    """The index that takes ``index`` along ``axis``, all of the other dims."""
-    return (slice(None),) * axis + (index,)
-
-
-def _place(out, target, piece):
-    """Write ``piece`` into ``out`` at the outer product of ``target`` ({axis: slice or positions})."""
-    arrays = [axis for axis, index in target.items() if not isinstance(index, slice)]
-    if len(arrays) <= 1:  # basic indexing, or one advanced index that keeps its place
-        index = [slice(None)] * out.ndim
-        for axis, positions in target.items():
-            index[axis] = positions
-        out[tuple(index)] = piece
-        return
-    axes = sorted(target)
-    ends = list(range(-len(axes), 0))
-    spans = [np.arange(out.shape[a])[target[a]] if isinstance(target[a], slice) else target[a] for a in axes]
-    np.moveaxis(out, axes, ends)[(Ellipsis,) + np.ix_(*spans)] = np.moveaxis(piece, axes, ends)
+def _runs(target, source):
+    """Split the pairs ``(target[i], source[i])`` into runs where ``target`` steps by 1 and ``source`` by 1 or -1
+    (mirrored rows): a list of (target slice, source slice)."""
+    runs, i, n = [], 0, len(target)
+    while i < n:
+        j, step = i + 1, None
+        while j < n and target[j] == target[j - 1] + 1 and source[j] - source[j - 1] in ((step,) if step else (1, -1)):
+            step, j = source[j] - source[j - 1], j + 1
+        step = step or 1
+        stop = int(source[j - 1]) + step
+        runs.append((slice(int(target[i]), int(target[j - 1]) + 1), slice(int(source[i]), stop if stop >= 0 else None, step)))
+        i = j
+    return runs
 
 
 def _readable(indices):
