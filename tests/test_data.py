@@ -101,6 +101,9 @@ def problems_of(data, manager, boundary, field_of):
                 problems.append(f"{boundary} halo {halo} {name}: rank {manager.rank} differs from the global pad")
             if not np.array_equal(got, exchanged):
                 problems.append(f"{boundary} halo {halo} {name}: rank {manager.rank} differs from halo_exchange")
+        strided = padded["sp"].isel(time=1, latitude=slice(None, None, 2), longitude=slice(1, None, 3)).values
+        if not np.array_equal(strided, global_pad(field_of("sp"), h, boundary)[window(manager, (2, H, W), h)][1, ::2, 1::3]):
+            problems.append(f"{boundary} halo {halo}: rank {manager.rank}'s strided part differs from the global pad")
     return problems
 
 

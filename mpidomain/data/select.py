@@ -43,38 +43,7 @@ class _PaddedArray(BackendArray):
         dropped = [axis for axis, k in enumerate(key) if not isinstance(k, slice)]
         key = tuple(k if isinstance(k, slice) else slice(k, k + 1) for k in key)
         out = np.zeros([len(range(*k.indices(n))) for k, n in zip(key, self.shape)], self.dtype)
-        window, lat, lon = self._window, self._lat, self._lon
-        if lat is None:
-            groups = [(None, window.columns)]
-        else:
-            rows = np.arange(self.shape[lat])[key[lat]]
-            global_rows = np.asarray(window.rows)[rows]
-            if lon is None or window.columns == window.turned_columns:
-                groups = [(np.arange(len(rows)), window.columns)]
-            else:  # rows beyond a pole take their columns from half a turn away: a read of their own
-                mirrored = np.asarray(window.mirrored)[rows]
-                groups = [(np.flatnonzero(~mirrored), window.columns), (np.flatnonzero(mirrored), window.turned_columns)]
-        parts = []  # per group: the padded positions to fill and the global rows/columns they hold, per axis
-        for positions, column_map in groups:
-            target, wanted = {}, {}
-            if lat is not None:
-                positions = positions[global_rows[positions] >= 0]
-                target[lat], wanted[lat] = positions, global_rows[positions]
-            if lon is not None:
-                global_columns = np.asarray(column_map)[np.arange(self.shape[lon])[key[lon]]]
-                target[lon] = np.flatnonzero(global_columns >= 0)
-                wanted[lon] = global_columns[target[lon]]
-            if all(len(p) for p in target.values()):
-                parts.append((target, wanted))
-        # Groups that need the same columns are read at once (on slabs the rows beyond a pole take all of them too).
-        reads = []
-        for part in parts:
-            same = [r for r in reads if lon is None or set(r[0][1][lon]) == set(part[1][lon])]
-            if same:
-                same[0].append(part)
-            else:
-                reads.append([part])
-        for read in reads:
+        for read in self._reads(key):
             source = list(key)
             for axis in read[0][1]:
                 source[axis] = _readable(np.concatenate([wanted[axis] for _, wanted in read]))
@@ -89,6 +58,44 @@ class _PaddedArray(BackendArray):
                     out[tuple(into)] = block[tuple(taken)]
         return out.squeeze(axis=tuple(dropped)) if dropped else out
 
+    def _reads(self, key):
+        """The reads ``key`` needs: lists of (padded positions, their global rows/columns), each ``{axis: array}``.
+
+        The rows beyond a pole take their columns half a turn away; they share a read with the others
+        where they need the same columns (on slabs: all of them), else get their own.
+        """
+        window, lat, lon = self._window, self._lat, self._lon
+        if lat is None:
+            groups = [(None, window.columns)]
+        else:
+            rows = np.arange(self.shape[lat])[key[lat]]
+            global_rows = np.asarray(window.rows)[rows]
+            if lon is None or window.columns == window.turned_columns:
+                groups = [(np.arange(len(rows)), window.columns)]
+            else:
+                mirrored = np.asarray(window.mirrored)[rows]
+                groups = [(np.flatnonzero(~mirrored), window.columns), (np.flatnonzero(mirrored), window.turned_columns)]
+        parts = []  # per group: the padded positions to fill and the global rows/columns they hold, per axis
+        for positions, column_map in groups:
+            target, wanted = {}, {}
+            if lat is not None:
+                positions = positions[global_rows[positions] >= 0]
+                target[lat], wanted[lat] = positions, global_rows[positions]
+            if lon is not None:
+                global_columns = np.asarray(column_map)[np.arange(self.shape[lon])[key[lon]]]
+                target[lon] = np.flatnonzero(global_columns >= 0)
+                wanted[lon] = global_columns[target[lon]]
+            if all(len(p) for p in target.values()):
+                parts.append((target, wanted))
+        reads = []
+        for part in parts:
+            same = [r for r in reads if lon is None or set(r[0][1][lon]) == set(part[1][lon])]
+            if same:
+                same[0].append(part)
+            else:
+                reads.append([part])
+        return reads
+
 
 def _runs(target, source):
     """Split the pairs ``(target[i], source[i])`` into runs where ``target`` steps by 1 and ``source`` by 1 or -1
@@ -100,7 +107,8 @@ def _runs(target, source):
             step, j = source[j] - source[j - 1], j + 1
         step = step or 1
         stop = int(source[j - 1]) + step
-        runs.append((slice(int(target[i]), int(target[j - 1]) + 1), slice(int(source[i]), stop if stop >= 0 else None, step)))
+        runs.append((slice(int(target[i]), int(target[j - 1]) + 1),
+                     slice(int(source[i]), stop if stop >= 0 else None, step)))
         i = j
     return runs
 
