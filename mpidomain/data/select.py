@@ -33,6 +33,12 @@ class _PaddedArray(BackendArray):
             if axis is not None:
                 shape[axis] = n
         self.shape, self.dtype = tuple(shape), variable.dtype
+        # Where the store keeps whole rows of longitudes in a chunk, any columns of a row cost the same chunks.
+        encoding = variable.encoding
+        chunks = encoding.get("chunks") or encoding.get("chunksizes") or encoding.get("preferred_chunks")
+        if isinstance(chunks, dict):
+            chunks = tuple(chunks.get(d, n) for d, n in zip(variable.dims, variable.shape))
+        self._whole_rows = self._lon is None or not chunks or chunks[self._lon] >= variable.shape[self._lon]
 
     def __getitem__(self, key):
         return indexing.explicit_indexing_adapter(key, self.shape, indexing.IndexingSupport.BASIC, self._read)
@@ -62,7 +68,8 @@ class _PaddedArray(BackendArray):
         """The reads ``key`` needs: lists of (padded positions, their global rows/columns), each ``{axis: array}``.
 
         The rows beyond a pole take their columns half a turn away; they share a read with the others
-        where they need the same columns (on slabs: all of them), else get their own.
+        where they need the same columns (on slabs: all of them) or the store's chunks hold whole rows
+        of longitudes (or the data is in memory), else get their own.
         """
         window, lat, lon = self._window, self._lat, self._lon
         if lat is None:
@@ -89,7 +96,7 @@ class _PaddedArray(BackendArray):
                 parts.append((target, wanted))
         reads = []
         for part in parts:
-            same = [r for r in reads if lon is None or set(r[0][1][lon]) == set(part[1][lon])]
+            same = [r for r in reads if self._whole_rows or set(r[0][1][lon]) == set(part[1][lon])]
             if same:
                 same[0].append(part)
             else:
