@@ -3,11 +3,11 @@
 Needs the ``data`` extra (xarray, zarr, netCDF4); the rest of mpidomain does not.
 """
 
-from .counting import CountingStore, bytes_read_by_process
+from .counting import CountingStore
 from .select import select_tile
 from .window import TileWindow, tile_window
 
-__all__ = ["select_tile", "TileDataset", "TileWindow", "tile_window", "CountingStore", "bytes_read_by_process"]
+__all__ = ["select_tile", "TileDataset", "TileWindow", "tile_window", "CountingStore"]
 
 
 def __getattr__(name):

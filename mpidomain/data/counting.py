@@ -1,4 +1,4 @@
-"""Count the bytes a reader takes from a store: a Zarr store wrapper, and a process's read system calls.
+"""Count the bytes a reader takes from a Zarr store: a store wrapper.
 
 For measuring what :func:`~mpidomain.data.select_tile` reads (tests and
 scripts/bench_io.py): wrap the store, open it with xarray, read, look at
@@ -7,7 +7,7 @@ scripts/bench_io.py): wrap the store, open it with xarray, read, look at
 
 from zarr.storage import WrapperStore
 
-__all__ = ["CountingStore", "bytes_read_by_process"]
+__all__ = ["CountingStore"]
 
 
 class _Tally:
@@ -57,19 +57,3 @@ class CountingStore(WrapperStore):
 
     async def get_partial_values(self, prototype, key_ranges):
         return [self._count(b) for b in await self._store.get_partial_values(prototype, key_ranges)]
-
-
-def bytes_read_by_process():
-    """Bytes this process has read through read system calls so far (Linux's ``rchar``), or None elsewhere.
-
-    For readers that take no file object (netCDF4): the difference around a
-    read is what it took from its files, page-cache hits included.
-    """
-    try:
-        with open("/proc/self/io") as status:
-            for line in status:
-                if line.startswith("rchar:"):
-                    return int(line.split()[1])
-    except OSError:
-        return None
-    return None
