@@ -159,6 +159,12 @@ def mistakes(world):
     }
 
 
+def test_a_manager_of_longitude_slabs_is_refused_on_every_rank(world):
+    with DomainParallelManager(world.size, world.size, -1) as manager:
+        with pytest.raises(ValueError, match=r"the manager shards dims \(-1,\); build the manager with shard_dim=-2"):
+            select_tile(make_dataset(), manager)
+
+
 @pytest.mark.parametrize("name", ["missing lat", "not monotonic", "halo too wide", "earth and periodic",
                                   "another file", "not xarray"])
 def test_bad_input_raises_alike_on_every_rank(world, managers, name):

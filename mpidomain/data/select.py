@@ -208,8 +208,9 @@ def select_tile(data, manager=None, *, halo=0, boundary=None, periodic=False, la
     Collective over the domain group: call on every rank of the group with the
     same data (the same file opened on each) and arguments. Each rank gets an
     object of ``data``'s type, its variables cut to the tile ``shard_tensor``
-    would give it along ``lat`` x ``lon`` (latitude slabs, or tiles of a
-    ``(D_lat, D_lon)`` manager; uneven splits as :func:`mpidomain.balanced_split`),
+    would give it along ``lat`` x ``lon`` (latitude slabs of a manager with
+    ``shard_dim=-2``, or tiles of a ``(D_lat, D_lon)`` manager with
+    ``shard_dim=(-2, -1)``; uneven splits as :func:`mpidomain.balanced_split`),
     widened by the halos and filled exactly as :func:`mpidomain.halo_exchange`
     fills them: ``select_tile(data, halo=h)`` equals ``halo_exchange`` of
     ``select_tile(data)``'s values, bit for bit. So zeros beyond the edges; the
@@ -226,7 +227,7 @@ def select_tile(data, manager=None, *, halo=0, boundary=None, periodic=False, la
     its halos hold: the store's chunks they touch. With no manager in a
     one-process job, the whole field is the tile. One agreement step (an
     Allreduce of a few integers) checks the ranks' data and arguments: a
-    missing ``lat``/``lon``, a latitude that is not monotonic, a halo wider
+    manager that shards other dims, a missing ``lat``/``lon``, a latitude that is not monotonic, a halo wider
     than a tile, ``boundary="earth"`` with ``periodic``, or data whose dims,
     variables or coordinates differ between ranks raise on every rank.
 
@@ -242,6 +243,10 @@ def select_tile(data, manager=None, *, halo=0, boundary=None, periodic=False, la
     grid, coords = _grid(manager)
     error = window = description = None
     try:
+        if manager is not None and manager.shard_dims not in ((-2,), (-2, -1)):
+            raise ValueError(f"select_tile splits latitude (slabs: shard_dim=-2) or latitude x longitude (tiles: "
+                             f"shard_dim=(-2, -1)), but the manager shards dims {manager.shard_dims}; build the manager "
+                             "with shard_dim=-2 or (-2, -1)")
         description = _describe(data, lat, lon)
         description["arguments"] = (halo, periodic, boundary, lat, lon)
         window = tile_window((data.sizes[lat], data.sizes[lon]), grid, coords, halo, periodic, boundary)
