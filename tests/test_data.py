@@ -187,9 +187,10 @@ def test_a_data_array_without_a_manager_is_the_whole_field_padded(world):
     assert np.array_equal(padded.latitude.values[:3], [90 - 15, 90, 90])  # mirrored rows' latitudes
 
 
-def test_tile_dataset_stacks_normalised_channels_and_splits_samples_over_data_parallel(world):
-    """Each item is the normalised global sample, earth-padded, cut to the rank's tile; every rank of a domain
-    group reads the same indices, the data-parallel ranks different ones."""
+@pytest.mark.parametrize("boundary", ["earth", "zeros"])
+def test_tile_dataset_stacks_normalised_channels_and_splits_samples_over_data_parallel(world, boundary):
+    """Each item is the normalised global sample, padded (the halos of zeros stay zeros), cut to the rank's tile;
+    every rank of a domain group reads the same indices, the data-parallel ranks different ones."""
     from mpidomain.data import TileDataset
 
     domain = 2 if world.size % 2 == 0 and world.size > 2 else 1
@@ -198,15 +199,15 @@ def test_tile_dataset_stacks_normalised_channels_and_splits_samples_over_data_pa
     std = xr.Dataset({"t": ("level", [2.0, 4.0]), "sp": 0.5})
     problems = []
     with DomainParallelManager(world.size, domain) as manager:
-        samples = TileDataset(data, ["sp", "t"], levels=[850, 500], manager=manager, halo=1, boundary="earth",
-                              mean=mean, std=std)
+        samples = TileDataset(data, ["sp", "t"], levels=[850, 500], manager=manager, halo=(1, 1),
+                              **BOUNDARIES[boundary][0], mean=mean, std=std)
         assert samples.channels == ("t@850", "t@500", "sp") and len(samples) == 2
         for index in range(len(samples)):
             step = data.isel(time=index)
             stacked = np.stack([(step["t"].sel(level=850).values - -0.25) / 4.0,
                                 (step["t"].sel(level=500).values - 0.5) / 2.0,
                                 (step["sp"].values - 1.5) / 0.5])
-            want = torch.from_numpy(global_pad(stacked, (1, 1), "earth")[window(manager, stacked.shape, (1, 1))])
+            want = torch.from_numpy(global_pad(stacked, (1, 1), boundary)[window(manager, stacked.shape, (1, 1))])
             got = samples[index]
             if got.dtype != torch.float32 or not torch.equal(got, want.to(torch.float32)):
                 problems.append(f"rank {world.rank}: sample {index} differs from the normalised global sample")
