@@ -222,3 +222,17 @@ def test_tile_dataset_stacks_normalised_channels_and_splits_samples_over_data_pa
     if len(per_replica) > 1 and flat != list(range(len(flat))):
         problems.append(f"the data-parallel ranks' indices overlap or miss samples: {per_replica}")
     assert not problems, problems
+
+
+def test_tile_dataset_mistakes_raise_alike_on_every_rank(world, managers):
+    from mpidomain.data import TileDataset
+
+    last = world.rank == world.size - 1
+    _, manager = managers[0]
+    with pytest.raises(ValueError, match=r"variables \['q'\] are not in the data, whose variables are"):
+        TileDataset(make_dataset(), ["t", "q"] if last else ["t"], manager=manager)
+    with pytest.raises(ValueError, match=r"levels \[300\] are not in 'level', whose values are \[500, 850\]"):
+        TileDataset(make_dataset(), ["t"], levels=[300], manager=manager)
+    if world.size > 1:
+        with pytest.raises(ValueError, match="TileDataset needs the same arguments on every rank"):
+            TileDataset(make_dataset(), ["sp"] if last else ["t"], manager=manager)

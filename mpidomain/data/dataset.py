@@ -70,7 +70,7 @@ class TileDataset(Dataset):
                              f"{list(data.data_vars)}; pass some of those")
         self._upper = [v for v in variables if level_dim in data[v].dims]
         self._surface = [v for v in variables if level_dim not in data[v].dims]
-        available = list(data[level_dim].values) if self._upper else []
+        available = data[level_dim].values.tolist() if self._upper else []
         levels = available if levels is None else list(levels)
         absent = [lv for lv in levels if lv not in available]
         if self._upper and absent:
