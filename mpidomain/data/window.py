@@ -41,21 +41,6 @@ class TileWindow:
         tile = tuple(sizes[c] for sizes, c in zip(extents, self.coords))
         return TileLayout(tile, (0, 1), self.halo, self.modes, extents, self.coords)
 
-    @property
-    def start(self):
-        """The global (row, column) of the tile's first element."""
-        return tuple(balanced_split(n, parts)[1][c] for n, parts, c in zip(self.shape, self.grid, self.coords))
-
-    @property
-    def tile_shape(self):
-        """The tile's (rows, columns), halos left out: ``shard_tensor``'s."""
-        return self._layout.shape
-
-    @property
-    def padded_shape(self):
-        """The tile's (rows, columns) with the halos."""
-        return self._layout.padded_shape
-
     @functools.cached_property
     def rows(self):
         """The global row of each padded row (-1: zeros)."""
