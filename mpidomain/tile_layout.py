@@ -160,6 +160,21 @@ class TileLayout:
                 runs.append(_Run(t, t + 1, owner, row, step))
         return runs
 
+    def global_rows(self, k, turned=False):
+        """Each padded row of this rank's tile along grid dim ``k``: its row of the global field, or -1 for zeros.
+
+        ``turned``: the row of a block taken from half a turn away (``k`` follows a ``"fold"`` dim, and the
+        rows along that dim are beyond a pole). Returns ``(rows, mirrored)``: two tuples, one entry per
+        padded row; ``mirrored`` is True beyond a pole of a ``"fold"`` dim.
+        """
+        offsets = list(itertools.accumulate((0,) + self.extents[k]))
+        rows, mirrored = [], []
+        for run in self._runs(k, self.coords[k], turned):
+            for t in range(run.start, run.stop):
+                rows.append(-1 if run.owner is None else offsets[run.owner] + run.first + run.step * (t - run.start))
+                mirrored.append(run.step == -1)
+        return tuple(rows), tuple(mirrored)
+
     def pieces(self, coords=None):
         """Return the :class:`Piece` s of the padded tile of grid coordinate ``coords`` (default: ours), tile included."""
         coords = self.coords if coords is None else tuple(coords)

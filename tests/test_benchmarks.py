@@ -68,3 +68,19 @@ def test_bench_mesh_prints_ratios(world):
         assert "Create_cart + Sub x 3" in lines[2] and "DomainParallelManager" in lines[3]
         assert "init_device_mesh (baseline)" in lines[5] and "x 1.00" in lines[5]
         assert "DomainParallelManager(torch_bridge=True) + device_mesh" in lines[6]
+
+
+def test_bench_io_prints_ratios(world):
+    """A small store on 2 ranks; started from one world size only (a fresh job costs CI time)."""
+    pytest.importorskip("torch")
+    pytest.importorskip("xarray")
+    pytest.importorskip("zarr")
+    if world.size != 1:
+        pytest.skip("started from the one-rank runs only")
+    result = run_mpi(2, [_script("bench_io.py"), "--shape", "37,72", "--levels", "2", "--steps", "1", "--band", "5"],
+                     timeout=240)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert sum(line.split()[:3] == ["2", "bands", "select_tile"] for line in lines) == 1, result.stdout
+    assert any(line.startswith("bands chunks: select_tile / whole+shard: bytes 0.") for line in lines), result.stdout
+    assert lines[-1] == "samples equal bit for bit (digests): yes", result.stdout

@@ -10,7 +10,8 @@ from mpitest import open_mpi, run_mpi, run_python
 
 def test_import_starts_nothing(world):
     if world.rank == 0:
-        code = "import sys, mpidomain; assert 'mpi4py.MPI' not in sys.modules; assert 'torch' not in sys.modules"
+        code = ("import sys, mpidomain; assert 'mpi4py.MPI' not in sys.modules; assert 'torch' not in sys.modules; "
+                "assert 'xarray' not in sys.modules; assert 'zarr' not in sys.modules")
         result = run_python(["-c", code])
         assert result.returncode == 0, result.stderr
 

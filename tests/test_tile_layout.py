@@ -109,6 +109,33 @@ def test_every_rank_gets_the_global_pad(grid, modes):
                 assert np.array_equal(got, want), (grid, modes, shape, widths, extents, rank)
 
 
+@pytest.mark.parametrize("modes", MODES, ids="-".join)
+@pytest.mark.parametrize("grid", GRIDS, ids=lambda g: f"{g[0]}x{g[1]}")
+def test_global_rows_index_the_global_pad(grid, modes):
+    """global_rows (what mpidomain.data reads) picks every rank's padded tile out of the global field."""
+    for shape, dims, extents in cases(grid):
+        if dims != (0, 1):
+            continue
+        field = np.arange(np.prod(shape), dtype=np.float64).reshape(shape) + 1
+        offsets = [list(itertools.accumulate((0,) + sizes)) for sizes in extents]
+        for widths in itertools.product(range(3), repeat=2):
+            if any(h > min(sizes) for h, sizes in zip(widths, extents)):
+                continue
+            whole = pad_global(field, dims, widths, modes)
+            for coords in itertools.product(*(range(len(sizes)) for sizes in extents)):
+                tile = tuple(sizes[c] for sizes, c in zip(extents, coords))
+                layout = TileLayout(tile, dims, widths, modes, extents, coords)
+                rows, mirrored = layout.global_rows(0)
+                columns, turned = layout.global_rows(1)[0], layout.global_rows(1, turned=True)[0]
+                got = np.zeros(layout.padded_shape)
+                for i, (row, beyond) in enumerate(zip(rows, mirrored)):
+                    for j, column in enumerate(turned if beyond else columns):
+                        got[i, j] = field[row, column] if row >= 0 and column >= 0 else 0
+                starts = [offsets[k][c] for k, c in enumerate(coords)]
+                want = whole[window(dims, starts, [a + n + 2 * h for a, n, h in zip(starts, tile, widths)])]
+                assert np.array_equal(got, want), (grid, modes, shape, widths, coords)
+
+
 @pytest.mark.parametrize("widths", [(1, 1, 1), (2, 0, 1), (0, 2, 2)])
 def test_a_three_dim_grid(widths):
     """A 2 x 2 x 2 grid of 3-D tiles (periodic, zeros, fold of the last two) assembles the global pad."""

@@ -1,0 +1,222 @@
+"""Read only your tile: bytes, peak memory and time per rank, against every rank reading the whole sample.
+
+    mpiexec -n 1 python scripts/bench_io.py
+    mpiexec -n 2 python scripts/bench_io.py
+    mpiexec -n 4 python scripts/bench_io.py            # --tiles 2x2, --levels 8, --steps 3, --halo 2
+    mpiexec -n 2 python scripts/bench_io.py --shape 37,72 --levels 2 --steps 1   # a quick look
+
+Rank 0 writes a synthetic ERA5-like Zarr store twice into ``--dir`` (default: a new temporary
+directory, removed at the end): variables ``t`` and ``u`` (time x level x 721 x 1440 float32) and
+``sp`` (time x 721 x 1440), uncompressed (so bytes stored are bytes of data), chunked
+
+- ``time``: as ERA5 ARCO stores are, one chunk per time step and variable (all levels, the whole
+  globe in one chunk);
+- ``bands``: one chunk per time step, variable and band of ``--band`` latitudes (all levels, all
+  longitudes).
+
+All ranks form one domain group (latitude slabs, or ``--tiles`` D_lat x D_lon). Each rank builds
+every time step's sample, all channels (t and u at every level, then sp), as its tile with a
+``--halo`` of the Earth's boundary (``boundary="earth"``), two ways that give the same tensor
+(checked, bit for bit):
+
+- ``whole+shard`` (the baseline, what examples do today): open the store, read the whole sample,
+  ``shard_tensor`` it, ``halo_exchange`` the tile;
+- ``select_tile``: ``TileDataset(store, ..., halo, boundary="earth")[step]``: the tile and its
+  halos read straight from the store.
+
+Reported per rank (the maximum over ranks): bytes read from the store per sample (counted by
+:class:`mpidomain.data.CountingStore`, metadata excluded) and as a fraction of the whole sample;
+peak resident memory while building the samples (Linux's VmHWM, reset before each method, less
+the resident memory before: what the method added; glibc set to return freed blocks at once;
+both methods run once untimed first); wall time per sample (slowest rank, median
+over steps). Ratios are select_tile over the baseline in the same run. The store was just
+written, so reads come from the page cache: times measure decoding and copying, not a disk.
+"""
+
+import argparse
+import ctypes
+import gc
+import hashlib
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+
+import numpy as np
+from mpi4py import MPI
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import xarray as xr  # noqa: E402
+import zarr  # noqa: E402
+
+import mpidomain  # noqa: E402
+from mpidomain.data import CountingStore, TileDataset  # noqa: E402
+
+WORLD = MPI.COMM_WORLD
+VARIABLES = ("t", "u", "sp")
+warnings.filterwarnings("ignore", message=".*[Cc]onsolidated metadata.*")
+
+
+def parse():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="721,1440", help="latitudes,longitudes (default 721,1440)")
+    parser.add_argument("--levels", type=int, default=4, help="pressure levels of t and u (default 4)")
+    parser.add_argument("--steps", type=int, default=2, help="time steps, one sample each (default 2)")
+    parser.add_argument("--band", type=int, default=45, help="latitudes per chunk of the bands store (default 45)")
+    parser.add_argument("--halo", type=int, default=1, help="halo rows and columns (default 1)")
+    parser.add_argument("--tiles", default=None, help="D_lat x D_lon tiles, e.g. 2x2 (default: latitude slabs)")
+    parser.add_argument("--dir", default=None, help="where to write the stores (default: a temporary directory)")
+    return parser.parse_args()
+
+
+def write_stores(root, shape, levels, steps, band):
+    """Write the dataset chunked both ways; return the two paths. On rank 0 only."""
+    H, W = shape
+    latitude, longitude = np.linspace(90, -90, H), np.arange(W) * 360.0 / W
+    rng = np.random.default_rng(0)
+    fields = {name: rng.standard_normal((steps, levels, H, W), dtype=np.float32) for name in ("t", "u")}
+    fields["sp"] = rng.standard_normal((steps, H, W), dtype=np.float32)
+    data = xr.Dataset(
+        {n: (("time", "level", "latitude", "longitude") if v.ndim == 4 else ("time", "latitude", "longitude"), v)
+         for n, v in fields.items()},
+        coords={"time": np.arange(steps), "level": np.arange(levels) * 100 + 300, "latitude": latitude,
+                "longitude": longitude})
+    paths = {}
+    for chunking, rows in (("time", H), ("bands", band)):
+        encoding = {n: {"chunks": (1, levels, rows, W) if fields[n].ndim == 4 else (1, rows, W), "compressors": None}
+                    for n in fields}
+        paths[chunking] = os.path.join(root, f"{chunking}.zarr")
+        data.to_zarr(paths[chunking], mode="w", encoding=encoding, consolidated=False, zarr_format=3)
+    return paths
+
+
+def resident_kib(field):
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def return_freed_memory():
+    """Make glibc give large freed blocks back to the system at once, so resident memory is what is held.
+
+    By default glibc raises its mmap threshold after a large free and keeps later blocks in its heap;
+    the peak of one method would then hide in memory an earlier one freed.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    libc.mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD: blocks of 128 KiB or more get their own mapping
+    libc.mallopt(-1, 128 * 1024)  # M_TRIM_THRESHOLD
+
+
+def reset_peak():
+    """Reset VmHWM to the current resident memory (Linux >= 4.0); return that."""
+    gc.collect()
+    try:
+        with open("/proc/self/clear_refs", "w") as refs:
+            refs.write("5")
+    except OSError:
+        pass
+    return resident_kib("VmRSS")
+
+
+def whole_then_shard(store, manager, halo, steps):
+    """The baseline's samples: the whole sample on every rank, then its tile, then the halos."""
+    data = xr.open_zarr(store, consolidated=False, chunks=None)
+    store.reset()
+    for step in range(min(steps, data.sizes["time"])):
+        started = time.perf_counter()
+        sample = data.isel(time=step)
+        whole = np.concatenate([sample[v].values if v != "sp" else sample[v].values[None] for v in VARIABLES])
+        tile = mpidomain.shard_tensor(torch.from_numpy(whole), manager=manager, allow_uneven=True)
+        padded = mpidomain.halo_exchange(tile, halo, boundary="earth", manager=manager)
+        del whole, tile
+        yield padded, time.perf_counter() - started
+
+
+def straight_to_tile(store, manager, halo, steps):
+    """select_tile's samples: TileDataset reads the tile and its halos only."""
+    data = xr.open_zarr(store, consolidated=False, chunks=None)
+    samples = TileDataset(data, VARIABLES, manager=manager, halo=halo, boundary="earth")
+    store.reset()
+    for step in range(min(steps, len(samples))):
+        started = time.perf_counter()
+        padded = samples[step]
+        yield padded, time.perf_counter() - started
+
+
+def measure(method, path, manager, halo, steps):
+    """Run ``method`` over ``steps`` steps; return (bytes per sample, peak KiB added, median seconds, digests).
+
+    Only each sample's digest is kept: a sample is dropped before the next is built, as in training.
+    """
+    before = reset_peak()
+    store = CountingStore(zarr.storage.LocalStore(path, read_only=True))
+    times, samples = [], []
+    for padded, seconds in method(store, manager, halo, steps):
+        times.append(seconds)
+        samples.append(hashlib.blake2b(np.ascontiguousarray(padded.numpy()).data).hexdigest())
+        del padded
+    peak = resident_kib("VmHWM") - before
+    return store.bytes_read / len(times), peak, statistics.median(times), samples
+
+
+def main():
+    args = parse()
+    return_freed_memory()
+    shape = tuple(int(n) for n in args.shape.split(","))
+    tiles = tuple(int(n) for n in args.tiles.split("x")) if args.tiles else None
+    manager = mpidomain.DomainParallelManager(WORLD.size, tiles or WORLD.size, (-2, -1) if tiles else -2)
+    root = None
+    if WORLD.rank == 0:
+        root = args.dir or tempfile.mkdtemp(prefix="bench_io_")
+        os.makedirs(root, exist_ok=True)
+        paths = write_stores(root, shape, args.levels, args.steps, args.band)
+    paths = WORLD.bcast(paths if WORLD.rank == 0 else None)
+    WORLD.Barrier()
+    channels = 2 * args.levels + 1
+    whole_bytes = channels * shape[0] * shape[1] * 4
+    layout = f"{tiles[0]}x{tiles[1]} tiles" if tiles else f"{WORLD.size} latitude slabs"
+    if WORLD.rank == 0:
+        print(f"bench_io: {WORLD.size} ranks ({layout}), sample {channels} x {shape[0]} x {shape[1]} float32 = "
+              f"{whole_bytes / 2**20:.1f} MiB, {args.steps} samples, halo {args.halo} (earth), bands of {args.band}")
+        print(f"{'ranks':>5} {'chunks':>6} {'method':>12} {'MiB read/rank':>13} {'of sample':>9} "
+              f"{'peak MiB/rank':>13} {'s/sample':>9}")
+    for method in (whole_then_shard, straight_to_tile):  # warm up: first calls set up xarray, zarr, plans
+        measure(method, paths["bands"], manager, args.halo, 1)
+    ratios = []
+    for chunking in ("time", "bands"):
+        results = {}
+        for name, method in (("whole+shard", whole_then_shard), ("select_tile", straight_to_tile)):
+            WORLD.Barrier()
+            read, peak, seconds, samples = measure(method, paths[chunking], manager, args.halo, args.steps)
+            read, peak, seconds = (WORLD.allreduce(v, op=MPI.MAX) for v in (read, peak, seconds))
+            results[name] = (read, peak, seconds, samples)
+            if WORLD.rank == 0:
+                print(f"{WORLD.size:>5} {chunking:>6} {name:>12} {read / 2**20:>13.2f} {read / whole_bytes:>9.3f} "
+                      f"{peak / 1024:>13.1f} {seconds:>9.3f}")
+        same = results["whole+shard"][3] == results["select_tile"][3]
+        if not WORLD.allreduce(same, op=MPI.LAND):
+            raise SystemExit(f"bench_io: select_tile's samples differ from the baseline's ({chunking} chunks)")
+        base, new = results["whole+shard"], results["select_tile"]
+        ratios.append(f"{chunking} chunks: select_tile / whole+shard: bytes {new[0] / base[0]:.3f}x, "
+                      f"peak memory {new[1] / max(base[1], 1):.3f}x, time {new[2] / base[2]:.3f}x")
+    if WORLD.rank == 0:
+        for line in ratios:
+            print(line)
+        print("samples equal bit for bit (digests): yes")
+        if args.dir is None:
+            shutil.rmtree(root)
+    manager.close()
+
+
+if __name__ == "__main__":
+    main()
