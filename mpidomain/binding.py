@@ -207,9 +207,7 @@ def bind_device(policy="auto", manager=None, *, comm=None):
     """
     MPI = mpi()
     if manager is not None:
-        from .manager import library_comm  # manager imports this module
-
-        return _bind(policy, library_comm(manager, "world"), manager.local_rank, manager.local_size, manager.node_index,
+        return _bind(policy, manager.library_comm("world"), manager.local_rank, manager.local_size, manager.node_index,
                      _find_devices(import_libraries=True))
     comm = MPI.COMM_WORLD if comm is None else comm
     node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())

@@ -772,7 +772,8 @@ def halo_exchange(x, halo_width, dim=None, *, periodic=False, boundary=None, man
     agreement step (a non-blocking Allreduce, overlapped with copying ``x``
     into the result) that checks the ranks' arguments and settles the plan
     cache alike on every rank; a mismatch raises on every rank. A Torch
-    tensor that requires grad goes through :class:`mpidomain.nn.HaloExchange`.
+    tensor that requires grad is differentiable: backward is the exact adjoint
+    (:meth:`HaloPlan.adjoint`).
     ``out``, a C-contiguous array of the result's kind, dtype, device and
     shape, receives the result instead of a new array (reusing it saves the
     allocation, which for a large result costs as much as the copy).
@@ -795,10 +796,51 @@ def halo_exchange(x, halo_width, dim=None, *, periodic=False, boundary=None, man
     :param out: Where to write the result (not with a tensor that requires grad).
     """
     if getattr(x, "requires_grad", False) is True:  # a Torch tensor in an autograd graph
+        import torch
+
+        # Every rank must agree whether a backward will follow: the agreement step checks it.
+        call = "pad+grad" if torch.is_grad_enabled() else "pad"
         if out is not None:  # the same agreement as the autograd path's, raising on every rank
             _settle(x, halo_width, dim, periodic, boundary, manager, "pad+grad", out)
-        from .nn.halo import HaloExchange
-
-        return HaloExchange(halo_width, dim, periodic, boundary=boundary, manager=manager)(x)
+        return _autograd_function().apply(x, halo_width, dim, periodic, boundary, manager, call)
     plan, out, copied = _settle(x, halo_width, dim, periodic, boundary, manager, "pad", out, copy_interior=True)
     return plan._pad(x, out, copied)
+
+
+_FUNCTION = None
+
+
+def _autograd_function():
+    """Return the torch.autograd.Function behind :func:`halo_exchange` on a tensor that requires grad.
+
+    Built on first use (torch is imported lazily). Forward pads with the
+    neighbours' rows; backward is the exact adjoint: each ghost row's gradient
+    returns to the rank that owns the row and is added onto it
+    (:meth:`HaloPlan.adjoint`), periodic wrap and mirrored fold rows included.
+    """
+    global _FUNCTION
+    if _FUNCTION is not None:
+        return _FUNCTION
+    import torch
+
+    class HaloExchangeFunction(torch.autograd.Function):
+        """Pad with the neighbours' rows; backward sends ghost-row gradients back to their owners."""
+
+        @staticmethod
+        def forward(ctx, x, halo_width, dim, periodic, boundary, manager, call):
+            plan = cached_plan(x, halo_width, dim, periodic=periodic, boundary=boundary, manager=manager, call=call)
+            ctx.plan_arguments = (halo_width, dim, periodic, boundary, plan.manager, plan.layout.interior)
+            return plan.pad(x)
+
+        @staticmethod
+        @torch.autograd.function.once_differentiable
+        def backward(ctx, grad):
+            halo_width, dim, periodic, boundary, manager, interior = ctx.plan_arguments
+            # The plan is found again (it may have left halo_exchange's cache since the forward)
+            # from a view with the unpadded shard's shape, dtype and device.
+            plan = cached_plan(grad[interior], halo_width, dim, periodic=periodic, boundary=boundary,
+                               manager=manager, call="adjoint")
+            return plan.adjoint(grad), None, None, None, None, None, None
+
+    _FUNCTION = HaloExchangeFunction
+    return _FUNCTION

@@ -23,6 +23,7 @@ import warnings
 
 from . import abort, binding
 from . import torch_bridge as bridge
+from ._current import closed_error, current_manager, forget, make_current
 from ._mpi import check_same, forget_timeout, is_active, mpi
 from ._validate import is_int
 from .launcher import check_launcher_world, detect_launcher
@@ -31,9 +32,6 @@ from .mesh import AXES, Mesh
 __all__ = ["DomainParallelManager", "initialize_domain_parallel", "get_domain_parallel_manager"]
 
 logger = logging.getLogger(__name__)
-
-_MANAGER = None
-
 
 def domain_layout(domain_parallel_size, shard_dim):
     """Return ``(domain_shape, shard_dims)``: ``((D,), (dim,))`` for ints, the pairs for a 2-D decomposition.
@@ -316,7 +314,7 @@ class DomainParallelManager:
         (no communication); :meth:`close` releases it with the groups.
         """
         if self._closed:
-            raise RuntimeError(f"{self!r} is closed; initialise a new manager")
+            raise closed_error(self)
         if not self.torch_bridge:
             raise RuntimeError(
                 "device_mesh needs torch.distributed groups: build the manager with torch_bridge=True"
@@ -325,6 +323,22 @@ class DomainParallelManager:
             domain, tp, dp = self._torch_groups
             self._device_mesh = bridge.device_mesh([dp, tp, domain], self.mesh.layout(), AXES)
         return self._device_mesh
+
+    def library_comm(self, group="domain"):
+        """Return the library's private communicator: ``"domain"``, ``"tp"``, ``"data"`` or ``"world"``.
+
+        With tiles also ``"band"`` (the tiles of this rank's latitude row, by ``i_lon``) and
+        ``"column"`` (those of its longitude column, by ``i_lat``).
+
+        ``"world"`` is the private duplicate of the parent communicator the
+        groups were split from. The library's own messages travel only on these;
+        users hold ``comm``, ``domain_comm`` and ``data_parallel_comm`` and never see them. Local.
+        """
+        if self._closed:
+            raise closed_error(self)
+        if group == "world":
+            return self._comm
+        return self._private[group]
 
     # -- MPI specifics --------------------------------------------------------
     @property
@@ -399,12 +413,10 @@ class DomainParallelManager:
         process group is destroyed only if a bridged manager created it and no
         other bridged manager still uses it.
         """
-        global _MANAGER
         if self._closed:
             return
         self._closed = True
-        if _MANAGER is self:
-            _MANAGER = None
+        forget(self)
         callbacks, self._close_callbacks = self._close_callbacks, []
         for callback in callbacks:
             callback(self)
@@ -472,20 +484,8 @@ def node_roots(shared_roots, hosts):
 
 
 def library_comm(manager, group="domain"):
-    """Return the library's private communicator of ``manager``: ``"domain"``, ``"tp"``, ``"data"`` or ``"world"``.
-
-    With tiles also ``"band"`` (the tiles of this rank's latitude row, by ``i_lon``) and
-    ``"column"`` (those of its longitude column, by ``i_lat``).
-
-    ``"world"`` is the private duplicate of the parent communicator the
-    groups were split from. The library's own messages travel only on these;
-    users hold ``comm``, ``domain_comm`` and ``data_parallel_comm`` and never see them.
-    """
-    if manager.closed:
-        raise RuntimeError(f"{manager!r} is closed; initialise a new manager")
-    if group == "world":
-        return manager._comm
-    return manager._private[group]
+    """Return ``manager.library_comm(group)``: the library's private communicator (see the method)."""
+    return manager.library_comm(group)
 
 
 def on_close(manager, callback):
@@ -495,7 +495,7 @@ def on_close(manager, callback):
     manager importing them. Local.
     """
     if manager.closed:
-        raise RuntimeError(f"{manager!r} is closed; initialise a new manager")
+        raise closed_error(manager)
     manager._close_callbacks.append(callback)
 
 
@@ -534,10 +534,9 @@ def initialize_domain_parallel(world_size, domain_parallel_size, shard_dim=-2, *
     :param tensor_parallel_size: Ranks per tensor-parallel group (see :class:`DomainParallelManager`).
     :param options: ``comm``, ``torch_bridge``, ``bind_device``: passed to the manager.
     """
-    global _MANAGER
     manager = DomainParallelManager(world_size, domain_parallel_size, shard_dim,
                                     tensor_parallel_size=tensor_parallel_size, **options)
-    previous, _MANAGER = _MANAGER, manager
+    previous = make_current(manager)
     if previous is not None:
         previous.close()
     if abort.abort_on_error_enabled(abort_on_error):
@@ -547,4 +546,4 @@ def initialize_domain_parallel(world_size, domain_parallel_size, shard_dim=-2, *
 
 def get_domain_parallel_manager():
     """Return the global :class:`DomainParallelManager`, or None before initialisation."""
-    return _MANAGER
+    return current_manager()

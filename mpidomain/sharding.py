@@ -20,7 +20,8 @@ import numpy as np
 from . import devices, transport
 from ._mpi import agree, mpi
 from ._validate import normalize_dim, require_int, require_manager
-from .manager import get_domain_parallel_manager, library_comm
+from ._current import closed_error, current_manager
+from .manager import library_comm
 
 __all__ = ["balanced_split", "shard_tensor", "shard_batch", "gather_tensor", "scatter_tensor"]
 
@@ -52,11 +53,11 @@ def _active_manager(manager, what=None):
     if what is not None:
         manager = require_manager(manager, what, alone_ok=True)
     elif manager is None:
-        manager = get_domain_parallel_manager()
+        manager = current_manager()
     if manager is None or manager.domain_parallel_size == 1:
         return None
     if manager.closed:
-        raise RuntimeError(f"{manager!r} is closed; pass an open manager or call initialize_domain_parallel again")
+        raise closed_error(manager)
     return manager
 
 

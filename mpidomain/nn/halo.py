@@ -14,29 +14,9 @@ wraps around the domain group's ends.
 
 import torch
 
-from ..halo import cached_plan
+from ..halo import halo_exchange
 
 __all__ = ["HaloExchange"]
-
-
-class _HaloExchangeFunction(torch.autograd.Function):
-    """Pad with the neighbours' rows; backward sends ghost-row gradients back to their owners."""
-
-    @staticmethod
-    def forward(ctx, x, halo_width, dim, periodic, boundary, manager, call):
-        plan = cached_plan(x, halo_width, dim, periodic=periodic, boundary=boundary, manager=manager, call=call)
-        ctx.plan_arguments = (halo_width, dim, periodic, boundary, plan.manager, plan.layout.interior)
-        return plan.pad(x)
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad):
-        halo_width, dim, periodic, boundary, manager, interior = ctx.plan_arguments
-        # The plan is found again (it may have left halo_exchange's cache since the forward)
-        # from a view with the unpadded shard's shape, dtype and device.
-        plan = cached_plan(grad[interior], halo_width, dim, periodic=periodic, boundary=boundary, manager=manager,
-                           call="adjoint")
-        return plan.adjoint(grad), None, None, None, None, None, None
 
 
 class HaloExchange(torch.nn.Module):
@@ -69,10 +49,8 @@ class HaloExchange(torch.nn.Module):
 
     def forward(self, x):
         """Return ``x`` padded with its neighbours' rows (see the class docstring)."""
-        # Every rank must agree whether a backward will follow: the agreement step checks it.
-        call = "pad+grad" if torch.is_grad_enabled() and getattr(x, "requires_grad", False) else "pad"
-        return _HaloExchangeFunction.apply(x, self.halo_width, self.dim, self.periodic, self.boundary, self.manager,
-                                           call)
+        return halo_exchange(x, self.halo_width, self.dim, periodic=self.periodic, boundary=self.boundary,
+                             manager=self.manager)
 
     @staticmethod
     def trim(x, halo_before, halo_after, dim=-2):
