@@ -33,13 +33,14 @@ class HaloExchange(torch.nn.Module):
     mirrored fold rows included.
 
     :param halo_width: Ghost rows on each side (or one per dim).
-    :param dim: Sharded dimension (-2 is latitude in (B, C, H, W)), a tuple of dims, or None: the manager's.
+    :param dim: A dim (-2 is latitude in (B, C, H, W)), a tuple of dims, or None (default): the manager's
+        ``shard_dims`` (-2 on a latitude manager, as CREDIT's layer; both on tiles; ``(-2, -1)`` with the Earth).
     :param periodic: Wrap around the ends of the domain group (e.g. longitude); or one per dim.
     :param boundary: ``None`` or ``"earth"``: longitude periodic and the fold across the poles.
     :param manager: Default: the global manager from ``initialize_domain_parallel``.
     """
 
-    def __init__(self, halo_width, dim=-2, periodic=False, *, boundary=None, manager=None):
+    def __init__(self, halo_width, dim=None, periodic=False, *, boundary=None, manager=None):
         super().__init__()
         self.halo_width = halo_width
         self.dim = dim
