@@ -33,6 +33,7 @@ pads whatever D is, so the code after the exchange never branches on D.
 
 import dataclasses
 import math
+import sys
 
 import numpy as np
 
@@ -308,6 +309,10 @@ class HaloPlan:
         self._comm = comm  # the manager's private duplicate: no user message can match a halo
         self._device = devices.is_device_array(x)
         self._like = devices.empty((0,), like=x)  # allocates padded arrays of x's kind and device
+        like = self._like
+        self._wrap = (lambda array: array) if self.kind == "numpy" else (lambda array: devices.from_numpy(array, like))
+        if self.kind == "torch" and not self._device and x.dtype is not sys.modules["torch"].bfloat16:
+            self._wrap = sys.modules["torch"].from_numpy  # a host array of x's kind from NumPy memory
         self._in_flight = None
         self._freed = False
         self._interior = layout.interior
@@ -348,10 +353,13 @@ class HaloPlan:
         return devices.empty(self.padded_shape, like=self._like)
 
     def _new_padded(self):
-        """A new padded array; on the host NumPy allocates it for both kinds (freed memory is reused at once)."""
+        """Return a new padded array and its :meth:`Transport.view`; on the host NumPy allocates it for both
+        kinds (freed memory is reused at once), and the NumPy array is the view."""
         if self.transport.name != "host":
-            return devices.empty(self.padded_shape, like=self._like)
-        return devices.from_numpy(np.empty(self.padded_shape, self._numpy_dtype), like=self._like)
+            out = devices.empty(self.padded_shape, like=self._like)
+            return out, self.transport.view(out)
+        working = np.empty(self.padded_shape, self._numpy_dtype)
+        return self._wrap(working), working
 
     # -- checks -------------------------------------------------------------
     def _check_usable(self):
@@ -461,13 +469,19 @@ class HaloPlan:
             self._check_array(out, self.padded_shape, "out")
         return self._pad(x, out)
 
-    def _pad(self, x, out=None, interior_done=False):
-        """:meth:`pad` without its checks; ``interior_done``: ``out`` already holds ``x`` in its interior."""
-        if out is None:
-            out = self._new_padded()
-        source, working = self.transport.view(x), self.transport.view(out)
+    def _pad(self, x, out=None, views=None):
+        """:meth:`pad` without its checks; ``views``: the :meth:`Transport.view` of ``x`` and of ``out``,
+        which already holds ``x`` in its interior."""
+        if views is None:
+            if out is None:
+                out, working = self._new_padded()
+            else:
+                working = self.transport.view(out)
+            source = self.transport.view(x)
+        else:
+            source, working = views
         self._begin(source, self._send_rows_of_shard, working)
-        if not interior_done:
+        if views is None:
             working[self._interior] = source
         self._finish(working)
         return out
@@ -679,11 +693,12 @@ def cached_plan(x, halo_width, dim=None, *, periodic=False, boundary=None, manag
 
 
 def _settle(x, halo_width, dim, periodic, boundary, manager, call, out=None, copy_interior=False):
-    """:func:`cached_plan`'s work; return ``(plan, out, interior copied)``.
+    """:func:`cached_plan`'s work; return ``(plan, out, views)``.
 
     ``out`` is checked with the arguments (a bad one raises on every rank).
     With ``copy_interior``, a rank that holds a plan for ``x`` copies ``x``
-    into ``out`` (a new padded array if None) while the agreement travels.
+    into ``out`` (a new padded array if None) while the agreement travels;
+    ``views`` is then the :meth:`Transport.view` of ``x`` and of ``out`` (else None).
     """
     manager = require_manager(manager, "halo exchange")
     comm = library_comm(manager)
@@ -716,12 +731,14 @@ def _settle(x, halo_width, dim, periodic, boundary, manager, call, out=None, cop
     # after uneven shards, one rank's key can find a plan its neighbour has since replaced.
     agreement = Agreement(comm, "halo_exchange", signature, plan is None, error, _group_mismatch,
                           -1 if plan is None else plan.tag, code)
-    copied = False
+    views = None
     if copy_interior and plan is not None and error is None and plan.shape == tuple(x.shape):
         if out is None:
-            out = plan._new_padded()
-        plan.transport.view(out)[plan._interior] = plan.transport.view(x)  # local work under the agreement
-        copied = True
+            out, working = plan._new_padded()
+        else:
+            working = plan.transport.view(out)
+        views = (plan.transport.view(x), working)
+        working[plan._interior] = views[0]  # local work under the agreement
     if agreement.result():
         plan = HaloPlan(x, halo_width, dim, periodic=periodic, boundary=boundary, manager=manager)
         cache.put(key, plan)
@@ -729,7 +746,7 @@ def _settle(x, halo_width, dim, periodic, boundary, manager, call, out=None, cop
         cache.touch(key)
     if found is None and quick is not None:
         cache.remember(quick, key, (signature, code))
-    return plan, out, copied
+    return plan, out, views
 
 
 def _check_out(out, x, padded_shape, call):
@@ -803,8 +820,8 @@ def halo_exchange(x, halo_width, dim=None, *, periodic=False, boundary=None, man
         if out is not None:  # the same agreement as the autograd path's, raising on every rank
             _settle(x, halo_width, dim, periodic, boundary, manager, "pad+grad", out)
         return _autograd_function().apply(x, halo_width, dim, periodic, boundary, manager, call)
-    plan, out, copied = _settle(x, halo_width, dim, periodic, boundary, manager, "pad", out, copy_interior=True)
-    return plan._pad(x, out, copied)
+    plan, out, views = _settle(x, halo_width, dim, periodic, boundary, manager, "pad", out, copy_interior=True)
+    return plan._pad(x, out, views)
 
 
 _FUNCTION = None
