@@ -38,6 +38,7 @@ import sys
 import numpy as np
 
 from . import devices, plan_cache, transport
+from ._datatypes import block_shape, message, struct_of_blocks
 from ._mpi import Agreement, agree, agreement_code, is_active, mpi, wait_all
 from ._validate import normalize_dim, require_int, require_manager
 from .halo_layout import HaloLayout
@@ -331,13 +332,13 @@ class HaloPlan:
         self._recv_buffers = [self.transport.buffer((_elements(padded, b),), dtype, x) for b in self._receives]
         self._send_views = [_views(buffer, padded, b) for buffer, b in zip(self._send_buffers, self._sends)]
         self._recv_views = [_views(buffer, padded, b) for buffer, b in zip(self._recv_buffers, self._receives)]
-        self._send_requests = [comm.Send_init(_message(buffer), dest=m.peer, tag=m.tag)
+        self._send_requests = [comm.Send_init(message(buffer), dest=m.peer, tag=m.tag)
                                for m, buffer in zip(self._sends, self._send_buffers)]
-        self._recv_types = [_bundle_type(padded, dtype.itemsize, b) for b in self._receives] \
+        self._recv_types = [struct_of_blocks(padded, dtype.itemsize, [m.rows for m in b.blocks]) for b in self._receives] \
             if self._receive_in_place else []
         self._bound_address = None
         self._recv_requests = [] if self._receive_in_place else [
-            comm.Recv_init(_message(buffer), source=m.peer, tag=m.tag)
+            comm.Recv_init(message(buffer), source=m.peer, tag=m.tag)
             for m, buffer in zip(self._receives, self._recv_buffers)]
         self._requests = self._recv_requests + self._send_requests
         plan_cache.register(self)
@@ -513,9 +514,9 @@ class HaloPlan:
             for m, view in zip(bundle.blocks, views):
                 self.transport.pack(working[m.rows], view)
         self.transport.synchronize(grad)
-        requests = [self._comm.Irecv(_message(buffer), source=m.peer, tag=m.tag)
+        requests = [self._comm.Irecv(message(buffer), source=m.peer, tag=m.tag)
                     for m, buffer in zip(self._sends, self._send_buffers)]
-        requests += [self._comm.Isend(_message(buffer), dest=m.peer, tag=m.tag)
+        requests += [self._comm.Isend(message(buffer), dest=m.peer, tag=m.tag)
                      for m, buffer in zip(self._receives, self._recv_buffers)]
         wait_all(requests)
         for bundle, views in zip(self._sends, self._send_views):
@@ -587,17 +588,6 @@ class HaloPlan:
                 f"dim={self.dim}, periodic={self.periodic}, {boundary}{state})")
 
 
-def _message(buffer):
-    """The MPI message of a contiguous buffer (host or device): its raw bytes."""
-    return [devices.mpi_buffer(devices.byte_view(buffer)), mpi().BYTE]
-
-
-def _block_shape(shape, rows):
-    """The shape of block ``rows`` (an index of slices, maybe shorter than ``shape``) of an array of ``shape``."""
-    rows = tuple(rows) + (slice(None),) * (len(shape) - len(rows))
-    return tuple(len(range(*s.indices(n))) for s, n in zip(rows, shape))
-
-
 @dataclasses.dataclass(frozen=True)
 class _Bundle:
     """The blocks (layout messages) one rank exchanges with ``peer`` in one direction: one MPI message."""
@@ -618,38 +608,18 @@ def _bundles(messages):
 
 def _elements(shape, bundle):
     """The number of elements of ``bundle``'s blocks of an array of ``shape``."""
-    return sum(math.prod(_block_shape(shape, m.rows)) for m in bundle.blocks)
+    return sum(math.prod(block_shape(shape, m.rows)) for m in bundle.blocks)
 
 
 def _views(buffer, shape, bundle):
     """Views of flat ``buffer``, one per block of ``bundle``, each of its block's shape."""
     views, start = [], 0
     for m in bundle.blocks:
-        block = _block_shape(shape, m.rows)
+        block = block_shape(shape, m.rows)
         n = math.prod(block)
         views.append(buffer[start:start + n].reshape(block))
         start += n
     return views
-
-
-def _bundle_type(shape, itemsize, bundle):
-    """The committed datatype of ``bundle``'s blocks of a C-contiguous array of ``shape``, in order."""
-    blocks = [_subarray(shape, itemsize, m.rows) for m in bundle.blocks]
-    if len(blocks) == 1:
-        return blocks[0]
-    joined = mpi().Datatype.Create_struct([1] * len(blocks), [0] * len(blocks), blocks).Commit()
-    for block in blocks:
-        block.Free()
-    return joined
-
-
-def _subarray(shape, itemsize, rows):
-    """The committed datatype of block ``rows`` of a C-contiguous array of ``shape``."""
-    rows = tuple(rows) + (slice(None),) * (len(shape) - len(rows))
-    starts = [s.indices(n)[0] for s, n in zip(rows, shape)]
-    sizes, block = list(shape), list(_block_shape(shape, rows))
-    sizes[-1], block[-1], starts[-1] = sizes[-1] * itemsize, block[-1] * itemsize, starts[-1] * itemsize
-    return mpi().BYTE.Create_subarray(sizes, block, starts).Commit()
 
 
 def _mirrored(buffer, dims):
