@@ -185,12 +185,9 @@ def _group_mismatch(everyone):
     return kind("halo exchange inputs disagree across the domain group:\n  " + "\n  ".join(problems))
 
 
-def _agree_inputs(comm, call, mine, error, flag=False, token=0):
-    """Agree on the ranks' inputs (one Allreduce) for ``call``; return ``flag`` set on any rank, or raise on all.
-
-    Also True where the ranks' int ``token`` differ.
-    """
-    return agree(comm, call, _signature(mine), flag, error, _group_mismatch, token)
+def _agree_inputs(comm, call, mine, error):
+    """Agree on the ranks' inputs (one Allreduce) for ``call``, or raise on every rank."""
+    agree(comm, call, _signature(mine), False, error, _group_mismatch)
 
 
 def _check_extents(comm, mine):
