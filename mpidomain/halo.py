@@ -324,7 +324,7 @@ class HaloPlan:
         self._numpy_dtype = dtype = devices.numpy_dtype(x)
         padded = self.padded_shape
         smallest = min((_elements(padded, b) for b in self._receives), default=0)
-        self._receive_in_place = self.transport.name == "host" and smallest * dtype.itemsize >= _IN_PLACE_RECEIVE_BYTES
+        self._receive_in_place = not self.transport.on_device and smallest * dtype.itemsize >= _IN_PLACE_RECEIVE_BYTES
         self._send_buffers = [self.transport.buffer((_elements(padded, b),), dtype, x) for b in self._sends]
         self._recv_buffers = [self.transport.buffer((_elements(padded, b),), dtype, x) for b in self._receives]
         self._send_views = [_views(buffer, padded, b) for buffer, b in zip(self._send_buffers, self._sends)]
@@ -353,7 +353,7 @@ class HaloPlan:
     def _new_padded(self):
         """Return a new padded array and its :meth:`Transport.view`; on the host NumPy allocates it for both
         kinds (freed memory is reused at once), and the NumPy array is the view."""
-        if self.transport.name != "host":
+        if self.transport.on_device:
             out = devices.empty(self.padded_shape, like=self._like)
             return out, self.transport.view(out)
         working = np.empty(self.padded_shape, self._numpy_dtype)

@@ -382,7 +382,7 @@ def _gather(comm, x, dim, out):
     full_shape = tuple(x.shape[:dim]) + (sum(counts),) + tuple(x.shape[dim + 1:])
     x = devices.contiguous(x.detach() if devices.array_kind(x) == "torch" else x)
     way = transport.transport_for(x)
-    if out is None and way.name != "direct":
+    if out is None and not way.device_memory_to_mpi:
         out = devices.empty(full_shape, like=x)
     itemsize = devices.numpy_dtype(x).itemsize
     outer, row_elements = math.prod(x.shape[:dim]), math.prod(x.shape[dim + 1:])
@@ -392,7 +392,7 @@ def _gather(comm, x, dim, out):
     send = _row_type(row_bytes, outer * counts[rank]) if counts[rank] else None
     send_types = [send if r != rank else None for r in range(len(counts))]
     try:
-        if way.name == "direct":
+        if way.device_memory_to_mpi:
             return _gather_device(comm, x, dim, counts, offsets, outer, row_elements, send_types, out)
         host_x = way.readable(x)
         recv_types = _placed_types(outer, row_bytes, counts, offsets, full_shape[dim])
@@ -554,7 +554,7 @@ def _scatter_send(comm, x, dim, counts, offsets, outer, row_bytes):
     rank = comm.Get_rank()
     others = [r for r in range(comm.Get_size()) if r != rank and counts[r]]
     way = transport.transport_for(x)
-    if way.name == "direct":
+    if way.device_memory_to_mpi:
         # CUDA-aware: pack each shard on the device; strided datatypes on device memory are slow.
         chunks = [_copy_rows(x, dim, offsets[r], counts[r]) for r in others]
         way.synchronize(x)
