@@ -279,7 +279,20 @@ class HaloPlan:
         except (TypeError, ValueError) as exc:
             error = exc
         _agree_inputs(comm, "HaloPlan", mine, error)
+        self._build(x, mine, manager, comm)
 
+    @classmethod
+    def _agreed(cls, x, mine, manager):
+        """Return a plan for ``x`` from :func:`_describe`'s ``mine``, which the ranks have agreed on already.
+
+        Collective like the constructor (the extents are still gathered), without its agreement step.
+        """
+        plan = cls.__new__(cls)
+        plan._build(x, mine, manager, library_comm(manager))
+        return plan
+
+    def _build(self, x, mine, manager, comm):
+        """The constructor's work once the ranks agree on ``mine``: the layout, buffers and requests."""
         self.manager = manager
         self.kind = devices.array_kind(x)
         self.dtype = x.dtype
@@ -674,10 +687,10 @@ def _settle(x, halo_width, dim, periodic, boundary, manager, call, out=None, cop
     found = None if quick is None else cache.quick(quick)
     error = None
     if found is not None:  # arguments seen before: their checks passed then, and would again
-        key, plan, (signature, code) = found
+        key, plan, (signature, code, mine) = found
         padded_shape = plan.padded_shape
     else:
-        signature, key, code, padded_shape = None, None, None, None
+        signature, key, code, padded_shape, mine = None, None, None, None, None
         try:
             mine = _describe(x, halo_width, dim, periodic, manager, boundary)
             kind = devices.array_kind(x)
@@ -706,13 +719,13 @@ def _settle(x, halo_width, dim, periodic, boundary, manager, call, out=None, cop
             working = plan.transport.view(out)
         views = (plan.transport.view(x), working)
         working[plan._interior] = views[0]  # local work under the agreement
-    if agreement.result():
-        plan = HaloPlan(x, halo_width, dim, periodic=periodic, boundary=boundary, manager=manager)
+    if agreement.result():  # every rank described its arguments, and they agree: build on that
+        plan = HaloPlan._agreed(x, mine, manager)
         cache.put(key, plan)
     else:
         cache.touch(key)
     if found is None and quick is not None:
-        cache.remember(quick, key, (signature, code))
+        cache.remember(quick, key, (signature, code, mine))
     return plan, out, views
 
 
