@@ -164,7 +164,6 @@ class DomainParallelManager:
         # (scripts/bench_manager.py measures it against Create_cart and Sub).
         self._domain_comm, self._tp_comm, self._dp_comm = (
             self._comm.Split(self.mesh.group_index(axis), rank) for axis in ("domain", "tp", "dp"))
-        self._node_comm = self._comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
         self._domain_comm.Set_name(f"mpidomain.domain[{self._domain_group_idx}]")
         self._tp_comm.Set_name(f"mpidomain.tensor_parallel[{self.mesh.group_index('tp')}]")
         self._dp_comm.Set_name(f"mpidomain.data_parallel[{self.mesh.group_index('dp')}]")
@@ -176,21 +175,7 @@ class DomainParallelManager:
             self._private["band"] = self._private["domain"].Split(i_lat, i_lon)
             self._private["column"] = self._private["domain"].Split(i_lon, i_lat)
         self._next_tag = 16  # tags handed out collectively by allocate_tags()
-        # The node's lowest rank is its node-local rank 0 (Split_type was keyed by rank): no collective.
-        node_group, world_group = self._node_comm.Get_group(), self._comm.Get_group()
-        shared_root = node_group.Translate_ranks([0], world_group)[0]
-        node_group.Free()
-        world_group.Free()
-        gathered = self._comm.allgather((shared_root, MPI.Get_processor_name()))
-        nodes = node_roots([root for root, _ in gathered], [host for _, host in gathered])
-        if nodes != [root for root, _ in gathered]:
-            # MPI split a host into several shared-memory domains (srun -m arbitrary over pmi2
-            # gives MPICH no process mapping): the host is the node. Alike on every rank.
-            self._node_comm.Free()
-            self._node_comm = self._comm.Split(nodes[rank], rank)
-        distinct_roots = sorted(set(nodes))
-        self._node_index = distinct_roots.index(nodes[rank])
-        self._num_nodes = len(distinct_roots)
+        self._node_comm, self._node_index, self._num_nodes = binding.node_of(self._comm)
         # Before any torch groups: NCCL communicators use the current device.
         self.device_binding = None
         if bind_device != "none":
@@ -455,32 +440,6 @@ class DomainParallelManager:
             f"shard_dim={self.shard_dim}, "
             f"{f'tensor_parallel_size={self.tensor_parallel_size}, ' if self.tensor_parallel_size > 1 else ''}{state})"
         )
-
-
-def node_roots(shared_roots, hosts):
-    """Return each rank's node as its lowest rank: ranks sharing memory or a host name are on one node.
-
-    ``shared_roots[r]`` is the lowest rank of rank ``r``'s shared-memory
-    communicator, ``hosts[r]`` its processor name. MPI's shared-memory split is
-    usually the node; where it is finer (no process mapping from the launcher:
-    every rank alone), the host name joins the ranks; where it is coarser
-    (containers with their own host names on one machine), the machine is the
-    node. Local, pure.
-    """
-    parent = list(range(len(hosts)))
-
-    def find(r):
-        while parent[r] != r:
-            parent[r] = parent[parent[r]]
-            r = parent[r]
-        return r
-
-    first_of_host = {}
-    for rank, (root, host) in enumerate(zip(shared_roots, hosts)):
-        for other in (root, first_of_host.setdefault(host, rank)):
-            a, b = find(rank), find(other)
-            parent[max(a, b)] = min(a, b)
-    return [find(rank) for rank in range(len(hosts))]
 
 
 def library_comm(manager, group="domain"):
