@@ -54,6 +54,48 @@ _IN_PLACE_RECEIVE_BYTES = 256 * 1024
 _NUMBER_KINDS = "biufc"  # bool, signed, unsigned, float, complex
 
 
+@dataclasses.dataclass(frozen=True)
+class HaloSpec:
+    """What one rank's exchange is, built once per call from its arguments (:func:`_describe`).
+
+    ``dim``, ``halo_width`` and ``boundaries`` are per dim of the exchange's grid
+    (tuples) for a :class:`~mpidomain.tile_layout.TileLayout`; for a slab
+    (:class:`~mpidomain.halo_layout.HaloLayout`) ``dim`` and ``halo_width`` are
+    ints, ``periodic`` a bool and ``boundaries`` None. ``extent`` (the local
+    extent along ``dim``) may differ between ranks; the rest may not.
+    """
+
+    array: str
+    dtype: object
+    ndim: int
+    dim: object
+    other_extents: tuple
+    halo_width: object
+    periodic: object = None
+    boundaries: object = None
+    boundary: object = None
+    extent: object = None
+
+    @property
+    def tiled(self):
+        """True for a :class:`~mpidomain.tile_layout.TileLayout` exchange (tiles, several dims, the Earth)."""
+        return self.boundaries is not None
+
+    def signature(self):
+        """What every rank of the group must pass alike, by field name as the error messages spell it."""
+        names = ["array", "dtype", "ndim", "dim", "other_extents", "halo_width"]
+        names += ["boundaries", "boundary"] if self.tiled else ["periodic"]
+        return {name.replace("_extents", " extents"): getattr(self, name) for name in names}
+
+    def padded_shape(self, shape):
+        """``shape`` with the halos added."""
+        dims, widths = (self.dim, self.halo_width) if self.tiled else ((self.dim,), (self.halo_width,))
+        padded = list(shape)
+        for d, h in zip(dims, widths):
+            padded[d] += 2 * h
+        return tuple(padded)
+
+
 def _is_tiled(manager, halo_width, dim, periodic, boundary):
     """True if the exchange is a :class:`~mpidomain.tile_layout.TileLayout`'s: tiles, several dims or a boundary."""
     return (len(manager.shard_dims) > 1 or boundary is not None
@@ -61,7 +103,7 @@ def _is_tiled(manager, halo_width, dim, periodic, boundary):
 
 
 def _describe(x, halo_width, dim, periodic, manager, boundary=None):
-    """Return what this rank's input looks like; raise TypeError/ValueError for a local mistake.
+    """Return this rank's :class:`HaloSpec`, built from its arguments; raise TypeError/ValueError for a local mistake.
 
     The extents along ``dim`` and along the manager's ``shard_dim`` may differ between ranks
     (uneven shards, also when padding locally along another dim); the others may not.
@@ -84,16 +126,16 @@ def _describe(x, halo_width, dim, periodic, manager, boundary=None):
     dim = normalize_dim(manager.shard_dim if dim is None else dim, shape)
     shard_dim = manager.shard_dim
     sharded = shard_dim % len(shape) if -len(shape) <= shard_dim < len(shape) else None
-    return {
-        "array": f"{kind} on {'device' if devices.is_device_array(x) else 'host'}",
-        "dtype": x.dtype,
-        "ndim": len(shape),
-        "dim": dim,
-        "other extents": tuple(None if i in (dim, sharded) else n for i, n in enumerate(shape)),
-        "halo_width": int(halo_width),
-        "periodic": bool(periodic),
-        "extent": shape[dim],
-    }
+    return HaloSpec(
+        array=f"{kind} on {'device' if devices.is_device_array(x) else 'host'}",
+        dtype=x.dtype,
+        ndim=len(shape),
+        dim=dim,
+        other_extents=tuple(None if i in (dim, sharded) else n for i, n in enumerate(shape)),
+        halo_width=int(halo_width),
+        periodic=bool(periodic),
+        extent=shape[dim],
+    )
 
 
 def _per_dim(name, value, count, check):
@@ -144,33 +186,22 @@ def _describe_tiles(x, shape, halo_width, dim, periodic, manager, boundary):
         modes = {d: "periodic" if w else "zeros" for d, w in zip(dims, wraps)}
     grid = tuple(sorted(set(dims) | set(sharded)))
     width_of = dict(zip(dims, widths))
-    return {
-        "array": f"{devices.array_kind(x)} on {'device' if devices.is_device_array(x) else 'host'}",
-        "dtype": x.dtype,
-        "ndim": ndim,
-        "dim": grid,
-        "other extents": tuple(None if i in grid else n for i, n in enumerate(shape)),
-        "halo_width": tuple(width_of.get(d, 0) for d in grid),
-        "boundaries": tuple(modes.get(d, "zeros") for d in grid),
-        "boundary": boundary,
-        "extent": tuple(shape[d] for d in grid),
-    }
-
-
-def _padded_shape(shape, mine):
-    """``shape`` with the halos of :func:`_describe`'s ``mine`` added."""
-    dims, widths = mine["dim"], mine["halo_width"]
-    if isinstance(dims, int):
-        dims, widths = (dims,), (widths,)
-    padded = list(shape)
-    for d, h in zip(dims, widths):
-        padded[d] += 2 * h
-    return tuple(padded)
+    return HaloSpec(
+        array=f"{devices.array_kind(x)} on {'device' if devices.is_device_array(x) else 'host'}",
+        dtype=x.dtype,
+        ndim=ndim,
+        dim=grid,
+        other_extents=tuple(None if i in grid else n for i, n in enumerate(shape)),
+        halo_width=tuple(width_of.get(d, 0) for d in grid),
+        boundaries=tuple(modes.get(d, "zeros") for d in grid),
+        boundary=boundary,
+        extent=tuple(shape[d] for d in grid),
+    )
 
 
 def _signature(mine):
-    """What every rank of the group must pass alike: the description less the extent along dim."""
-    return None if mine is None else {f: v for f, v in mine.items() if f != "extent"}
+    """What every rank of the group must pass alike: :meth:`HaloSpec.signature` (None without a spec)."""
+    return None if mine is None else mine.signature()
 
 
 def _group_mismatch(everyone):
@@ -192,8 +223,8 @@ def _agree_inputs(comm, call, mine, error):
 
 def _check_extents(comm, mine):
     """Raise ValueError on every rank unless every rank holds at least ``halo_width`` rows; collective."""
-    extents = comm.allgather(mine["extent"])
-    width = mine["halo_width"]
+    extents = comm.allgather(mine.extent)
+    width = mine.halo_width
     if min(extents) < width:
         listing = ", ".join(f"rank {r}: {n}" for r, n in enumerate(extents))
         raise ValueError(
@@ -205,9 +236,9 @@ def _check_extents(comm, mine):
 def _check_tiles(comm, mine, manager):
     """Return each grid dim's tile extents, per coordinate; raise ValueError on every rank unless the
     ranks' tiles form a grid whose every tile holds at least its halo. Collective."""
-    everyone = comm.allgather(mine["extent"])
-    grid, widths = mine["dim"], mine["halo_width"]
-    ndim = mine["ndim"]
+    everyone = comm.allgather(mine.extent)
+    grid, widths = mine.dim, mine.halo_width
+    ndim = mine.ndim
     along = {d % ndim: k for k, d in enumerate(manager.shard_dims) if -ndim <= d < ndim}
     extents, problems = [], []
     for j, d in enumerate(grid):
@@ -283,7 +314,7 @@ class HaloPlan:
 
     @classmethod
     def _agreed(cls, x, mine, manager):
-        """Return a plan for ``x`` from :func:`_describe`'s ``mine``, which the ranks have agreed on already.
+        """Return a plan for ``x`` from its :class:`HaloSpec` ``mine``, which the ranks have agreed on already.
 
         Collective like the constructor (the extents are still gathered), without its agreement step.
         """
@@ -292,22 +323,23 @@ class HaloPlan:
         return plan
 
     def _build(self, x, mine, manager, comm):
-        """The constructor's work once the ranks agree on ``mine``: the layout, buffers and requests."""
+        """The constructor's work once the ranks agree on :class:`HaloSpec` ``mine``: the layout, buffers and
+        requests."""
         self.manager = manager
         self.kind = devices.array_kind(x)
         self.dtype = x.dtype
         self.shape = tuple(int(n) for n in x.shape)
-        self.boundary = mine.get("boundary")
-        if "boundaries" in mine:  # tiles, several dims or the Earth: a TileLayout
+        self.boundary = mine.boundary
+        if mine.tiled:  # tiles, several dims or the Earth: a TileLayout
             extents, coords = _check_tiles(comm, mine, manager)
-            self.dim, self.halo_width, self.periodic = mine["dim"], mine["halo_width"], mine["boundaries"]
+            self.dim, self.halo_width, self.periodic = mine.dim, mine.halo_width, mine.boundaries
             self.sharded = True
             layout = TileLayout(self.shape, self.dim, self.halo_width, self.periodic, extents, coords)
             # Tags the same on every rank, as many as the most blocks one rank takes from another.
             layout = dataclasses.replace(layout, tag=allocate_tags(manager, max(layout.tags, 1)))
         else:
             _check_extents(comm, mine)
-            self.dim, self.halo_width, self.periodic = mine["dim"], mine["halo_width"], mine["periodic"]
+            self.dim, self.halo_width, self.periodic = mine.dim, mine.halo_width, mine.periodic
             # Along a dimension the group does not shard, every rank holds all of it: pad locally.
             self.sharded = _is_sharded(manager, self.dim, len(self.shape))
             size, rank = (comm.Get_size(), comm.Get_rank()) if self.sharded else (1, 0)
@@ -695,10 +727,10 @@ def _settle(x, halo_width, dim, periodic, boundary, manager, call, out=None, cop
             mine = _describe(x, halo_width, dim, periodic, manager, boundary)
             kind = devices.array_kind(x)
             device = str(x.device) if kind == "torch" else x.device.id if kind == "cupy" else None
-            key = (tuple(mine.values()), tuple(x.shape), device)  # this rank's plan; not the call kind
+            key = (mine, tuple(x.shape), device)  # this rank's plan; not the call kind
             signature = dict(_signature(mine), call=call)
             code = agreement_code("halo_exchange", signature)
-            padded_shape = _padded_shape(tuple(x.shape), mine)
+            padded_shape = mine.padded_shape(tuple(x.shape))
         except (TypeError, ValueError) as exc:
             error = exc
         plan = None if key is None else cache.get(key)
