@@ -43,7 +43,6 @@ from ._mpi import Agreement, agree, agreement_code, is_active, mpi, wait_all
 from ._validate import normalize_dim, require_int, require_manager
 from .halo_layout import HaloLayout
 from .tile_layout import TileLayout
-from .manager import allocate_tags, library_comm
 
 __all__ = ["HaloPlan", "halo_exchange"]
 
@@ -303,7 +302,7 @@ class HaloPlan:
 
     def __init__(self, x, halo_width, dim=None, *, periodic=False, boundary=None, manager=None):
         manager = require_manager(manager, "halo exchange")
-        comm = library_comm(manager)
+        comm = manager.library_comm()
         mine, error = None, None
         try:
             mine = _describe(x, halo_width, dim, periodic, manager, boundary)
@@ -319,7 +318,7 @@ class HaloPlan:
         Collective like the constructor (the extents are still gathered), without its agreement step.
         """
         plan = cls.__new__(cls)
-        plan._build(x, mine, manager, library_comm(manager))
+        plan._build(x, mine, manager, manager.library_comm())
         return plan
 
     def _build(self, x, mine, manager, comm):
@@ -336,7 +335,7 @@ class HaloPlan:
             self.sharded = True
             layout = TileLayout(self.shape, self.dim, self.halo_width, self.periodic, extents, coords)
             # Tags the same on every rank, as many as the most blocks one rank takes from another.
-            layout = dataclasses.replace(layout, tag=allocate_tags(manager, max(layout.tags, 1)))
+            layout = dataclasses.replace(layout, tag=manager.allocate_tags(max(layout.tags, 1)))
         else:
             _check_extents(comm, mine)
             self.dim, self.halo_width, self.periodic = mine.dim, mine.halo_width, mine.periodic
@@ -345,7 +344,7 @@ class HaloPlan:
             size, rank = (comm.Get_size(), comm.Get_rank()) if self.sharded else (1, 0)
             # Two tags, the same on every rank: they name the plan (halo_exchange's cache agrees on them).
             layout = HaloLayout(self.shape, self.dim, self.halo_width, self.periodic, size, rank,
-                                allocate_tags(manager, 2))
+                                manager.allocate_tags(2))
         self.layout = layout
         self.tag, self.padded_shape, self.neighbors = layout.tag, layout.padded_shape, layout.neighbors
         self.transport = transport.transport_for(x)
@@ -713,7 +712,7 @@ def _settle(x, halo_width, dim, periodic, boundary, manager, call, out=None, cop
     ``views`` is then the :meth:`Transport.view` of ``x`` and of ``out`` (else None).
     """
     manager = require_manager(manager, "halo exchange")
-    comm = library_comm(manager)
+    comm = manager.library_comm()
     cache = plan_cache.cache_of(manager)
     quick = _quick_key(x, halo_width, dim, periodic, boundary, call)
     found = None if quick is None else cache.quick(quick)

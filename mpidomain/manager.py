@@ -325,6 +325,29 @@ class DomainParallelManager:
             return self._comm
         return self._private[group]
 
+    def on_close(self, callback):
+        """Call ``callback(self)`` when the manager closes, before its communicators are freed.
+
+        For modules that keep MPI resources per manager (halo plans) without the
+        manager importing them. Local.
+        """
+        if self._closed:
+            raise closed_error(self)
+        self._close_callbacks.append(callback)
+
+    def allocate_tags(self, count):
+        """Return the first of ``count`` consecutive tags no other live plan of this manager uses.
+
+        Collective in effect: every rank of the group must call it in the same
+        order (plan construction, itself agreed, is the only caller), so each
+        rank gets the same tags. Tags cycle below MPI's guaranteed bound of 32767.
+        """
+        first = self._next_tag
+        if first + count > 32767:
+            first = 16
+        self._next_tag = first + count
+        return first
+
     # -- MPI specifics --------------------------------------------------------
     @property
     def comm(self):
@@ -445,31 +468,6 @@ class DomainParallelManager:
 def library_comm(manager, group="domain"):
     """Return ``manager.library_comm(group)``: the library's private communicator (see the method)."""
     return manager.library_comm(group)
-
-
-def on_close(manager, callback):
-    """Call ``callback(manager)`` when ``manager`` closes, before its communicators are freed.
-
-    For modules that keep MPI resources per manager (halo plans) without the
-    manager importing them. Local.
-    """
-    if manager.closed:
-        raise closed_error(manager)
-    manager._close_callbacks.append(callback)
-
-
-def allocate_tags(manager, count):
-    """Return the first of ``count`` consecutive tags no other live plan of ``manager`` uses.
-
-    Collective in effect: every rank of the group must call it in the same
-    order (plan construction, itself agreed, is the only caller), so each
-    rank gets the same tags. Tags cycle below MPI's guaranteed bound of 32767.
-    """
-    first = manager._next_tag
-    if first + count > 32767:
-        first = 16
-    manager._next_tag = first + count
-    return first
 
 
 def _plain(policy):
