@@ -110,21 +110,8 @@ def check_same(comm, value, what, fix="", error=None, call=None):
 
 
 def digest(value):
-    """Return a 62-bit digest of ``repr(value)``: what :func:`agrees_and_any` compares across ranks."""
+    """Return a 62-bit digest of ``repr(value)``: what :func:`agree` compares across ranks."""
     return int.from_bytes(hashlib.blake2b(repr(value).encode(), digest_size=8).digest(), "little") >> 2
-
-
-def agrees_and_any(comm, value, flag, token=0, code=None):
-    """Return (all ranks of ``comm`` passed an equal ``value``, ``flag`` set on any rank or ``token`` unequal).
-
-    Both results are alike on every rank. Collective: one Allreduce of five
-    integers (a digest of ``repr(value)``, the flag, the int ``token``),
-    cheap enough for every call of a hot path. ``code``, if given, is
-    ``digest(value)`` computed earlier.
-    """
-    values = _agreement_values(value, flag, token, code)
-    comm.Allreduce(mpi().IN_PLACE, values, op=mpi().MAX)
-    return _agreement_result(values)
 
 
 def _agreement_values(value, flag, token, code):
@@ -389,14 +376,3 @@ def _yield_core(waited):
     """After a short spin, give the core to any other runnable process (a no-op when none is)."""
     if waited > 20e-6:
         os.sched_yield()
-
-
-def wait_politely(request, interval=0.001):
-    """Complete ``request`` by polling with short sleeps instead of spinning.
-
-    Useful where a rank waits a long time for others (oversubscribed test
-    runs): blocking MPI calls busy-poll a core, a sleeping poll does not.
-    """
-    while not request.Test():
-        time.sleep(interval)
-

@@ -1,4 +1,4 @@
-"""The argument checks every entry point shares: ints, dims, and the manager to work on.
+"""The argument checks every entry point shares: ints, dims, and the manager to work on (``require_manager``).
 
 Local: no communication. Each raises the built-in exception whose meaning
 fits, naming the argument, what was expected, what was received and the fix.
@@ -8,7 +8,7 @@ import numbers
 
 import numpy as np
 
-from ._mpi import mpi
+from ._current import require_manager  # noqa: F401  (the entry points import it from here)
 
 
 def is_int(value):
@@ -35,28 +35,3 @@ def normalize_dim(dim, shape, name="dim"):
             f"pass a {name} between {-ndim} and {ndim - 1}"
         )
     return int(dim) % ndim
-
-
-def require_manager(manager, what, alone_ok=False):
-    """Return ``manager``, else the initialised one; raise RuntimeError if none or closed.
-
-    With ``alone_ok``, a job of one process with no manager gets None (the
-    caller then works locally, as on a group of one rank); with several
-    processes, a missing manager is always an error: silently working alone
-    would give each rank a different answer.
-    """
-    if manager is None:
-        from .manager import get_domain_parallel_manager
-
-        manager = get_domain_parallel_manager()
-    if manager is None:
-        processes = mpi().COMM_WORLD.Get_size()
-        if alone_ok and processes == 1:
-            return None
-        raise RuntimeError(
-            f"{what} needs a domain-parallel manager, but none is initialised in this {processes}-process job; "
-            "call mpidomain.initialize_domain_parallel(world_size, domain_parallel_size) first, or pass manager="
-        )
-    if manager.closed:
-        raise RuntimeError(f"{manager!r} is closed; pass an open manager or call initialize_domain_parallel again")
-    return manager

@@ -12,7 +12,7 @@ import traceback
 
 from ._mpi import is_active, mpi
 
-__all__ = ["install_abort_on_error", "uninstall_abort_on_error", "abort_on_error_enabled"]
+__all__ = ["install_abort_on_error", "abort_on_error_enabled"]
 
 _previous_hook = None
 _FORWARD_SECONDS = 0.5
@@ -56,11 +56,3 @@ def install_abort_on_error():
     if sys.excepthook is not _abort_hook:
         _previous_hook = sys.excepthook
         sys.excepthook = _abort_hook
-
-
-def uninstall_abort_on_error():
-    """Restore the ``sys.excepthook`` that was in place before installation."""
-    global _previous_hook
-    if sys.excepthook is _abort_hook:
-        sys.excepthook = _previous_hook or sys.__excepthook__
-        _previous_hook = None

@@ -207,15 +207,64 @@ def bind_device(policy="auto", manager=None, *, comm=None):
     """
     MPI = mpi()
     if manager is not None:
-        from .manager import library_comm  # manager imports this module
-
-        return _bind(policy, library_comm(manager, "world"), manager.local_rank, manager.local_size, manager.node_index,
+        return _bind(policy, manager.library_comm("world"), manager.local_rank, manager.local_size, manager.node_index,
                      _find_devices(import_libraries=True))
     comm = MPI.COMM_WORLD if comm is None else comm
-    node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+    node, node_index, _ = node_of(comm)
     try:
-        roots = comm.allgather(node.allreduce(comm.Get_rank(), op=MPI.MIN))
-        node_index = sorted(set(roots)).index(roots[comm.Get_rank()])
         return _bind(policy, comm, node.Get_rank(), node.Get_size(), node_index, _find_devices(import_libraries=True))
     finally:
         node.Free()
+
+
+def node_roots(shared_roots, hosts):
+    """Return each rank's node as its lowest rank: ranks sharing memory or a host name are on one node.
+
+    ``shared_roots[r]`` is the lowest rank of rank ``r``'s shared-memory
+    communicator, ``hosts[r]`` its processor name. MPI's shared-memory split is
+    usually the node; where it is finer (no process mapping from the launcher:
+    every rank alone), the host name joins the ranks; where it is coarser
+    (containers with their own host names on one machine), the machine is the
+    node. Local, pure.
+    """
+    parent = list(range(len(hosts)))
+
+    def find(r):
+        while parent[r] != r:
+            parent[r] = parent[parent[r]]
+            r = parent[r]
+        return r
+
+    first_of_host = {}
+    for rank, (root, host) in enumerate(zip(shared_roots, hosts)):
+        for other in (root, first_of_host.setdefault(host, rank)):
+            a, b = find(rank), find(other)
+            parent[max(a, b)] = min(a, b)
+    return [find(rank) for rank in range(len(hosts))]
+
+
+def node_of(comm):
+    """Return ``(node communicator, node index, number of nodes)`` for this rank of ``comm``: the one node rule.
+
+    Ranks sharing memory or a host name are on one node (:func:`node_roots`);
+    the node communicator orders them by rank (node-local rank 0 is the
+    lowest), nodes are indexed by their lowest rank. Collective over ``comm``
+    (one allgather); the caller frees the communicator.
+    """
+    MPI = mpi()
+    rank = comm.Get_rank()
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
+    # The node's lowest rank is its node-local rank 0 (Split_type was keyed by rank): no collective.
+    node_group, world_group = node.Get_group(), comm.Get_group()
+    shared_root = node_group.Translate_ranks([0], world_group)[0]
+    node_group.Free()
+    world_group.Free()
+    gathered = comm.allgather((shared_root, MPI.Get_processor_name()))
+    nodes = node_roots([root for root, _ in gathered], [host for _, host in gathered])
+    if nodes != [root for root, _ in gathered]:
+        # MPI split a host into several shared-memory domains (srun -m arbitrary over pmi2
+        # gives MPICH no process mapping): the host is the node. Alike on every rank.
+        node.Free()
+        node = comm.Split(nodes[rank], rank)
+    distinct_roots = sorted(set(nodes))
+    return node, distinct_roots.index(nodes[rank]), len(distinct_roots)

@@ -211,7 +211,7 @@ def run_check(manager, device, shape, width, repeats):
         report.say("  ok: gather_tensor(shard_tensor(x)) == x on every rank")
 
     decision = devices.cuda_aware_decision()
-    staged = transport.transport_for(_on_device(np.zeros(1, np.float32), device)).name == "staged"
+    staged = transport.transport_for(_on_device(np.zeros(1, np.float32), device)).stages
     message_shape = tuple(shape[:-2]) + (width, shape[-1])
     kib = math.prod(message_shape) * 4 / 1024
     report.say(f"[4/{STEPS}] halo bandwidth per neighbour pair ({kib:.1f} KiB messages, {repeats} round trips"

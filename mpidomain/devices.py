@@ -112,10 +112,15 @@ def mpi_buffer(x):
     describes its layout. A Torch tensor that is a lazy conjugate or
     negative view gives a resolved copy instead, fit for reading only.
     """
+    if type(x) is np.ndarray:
+        return x
     kind = array_kind(x)
     if kind == "numpy":
         return x
     if kind == "torch":
+        torch = sys.modules["torch"]
+        if x.is_cpu and not x.requires_grad and x.dtype is not torch.bfloat16 and not (x.is_conj() or x.is_neg()):
+            return x.numpy()  # the common case, quickly
         x = x.detach().resolve_conj().resolve_neg()  # a copy for lazy conjugate/negative views: read only
         if x.device.type == "cpu":
             if x.dtype == sys.modules["torch"].bfloat16:

@@ -33,15 +33,17 @@ pads whatever D is, so the code after the exchange never branches on D.
 
 import dataclasses
 import math
+import sys
 
 import numpy as np
 
 from . import devices, plan_cache, transport
-from ._mpi import Agreement, agree, agreement_code, is_active, mpi, wait_all
-from ._validate import normalize_dim, require_int, require_manager
+from ._datatypes import block_shape, message, struct_of_blocks
+from ._mpi import Agreement, agreement_code, is_active, mpi, wait_all
+from ._validate import require_manager
 from .halo_layout import HaloLayout
+from .halo_spec import agree_inputs, check_extents, check_tiles, describe, group_mismatch
 from .tile_layout import TileLayout
-from .manager import allocate_tags, library_comm
 
 __all__ = ["HaloPlan", "halo_exchange"]
 
@@ -49,191 +51,6 @@ __all__ = ["HaloPlan", "halo_exchange"]
 # smaller ones in a contiguous buffer, then one copy. With MPICH on shared memory the datatype
 # saves the copy of a 1 MB halo but costs more than copying a 16 KB one (scripts/bench_halo.py).
 _IN_PLACE_RECEIVE_BYTES = 256 * 1024
-_NUMBER_KINDS = "biufc"  # bool, signed, unsigned, float, complex
-
-
-def _is_tiled(manager, halo_width, dim, periodic, boundary):
-    """True if the exchange is a :class:`~mpidomain.tile_layout.TileLayout`'s: tiles, several dims or a boundary."""
-    return (len(manager.shard_dims) > 1 or boundary is not None
-            or any(isinstance(a, (tuple, list)) for a in (halo_width, dim, periodic)))
-
-
-def _describe(x, halo_width, dim, periodic, manager, boundary=None):
-    """Return what this rank's input looks like; raise TypeError/ValueError for a local mistake.
-
-    The extents along ``dim`` and along the manager's ``shard_dim`` may differ between ranks
-    (uneven shards, also when padding locally along another dim); the others may not.
-    """
-    kind = devices.array_kind(x)
-    shape = tuple(int(n) for n in x.shape)
-    if not shape:
-        raise ValueError("x is a 0-d array; halo exchange needs at least the sharded dimension")
-    dtype = devices.numpy_dtype(x)
-    if dtype.kind not in _NUMBER_KINDS:
-        raise TypeError(
-            f"unsupported dtype {x.dtype} (NumPy kind {dtype.kind!r}); halo exchange moves numbers: "
-            "use a bool, integer, float or complex array"
-        )
-    if _is_tiled(manager, halo_width, dim, periodic, boundary):
-        return _describe_tiles(x, shape, halo_width, dim, periodic, manager, boundary)
-    require_int("halo_width", halo_width, least=0, hint="pass the number of ghost rows on each side, e.g. 1")
-    if not isinstance(periodic, (bool, np.bool_)):
-        raise TypeError(f"periodic must be True or False, got {periodic!r} ({type(periodic).__name__})")
-    dim = normalize_dim(manager.shard_dim if dim is None else dim, shape)
-    shard_dim = manager.shard_dim
-    sharded = shard_dim % len(shape) if -len(shape) <= shard_dim < len(shape) else None
-    return {
-        "array": f"{kind} on {'device' if devices.is_device_array(x) else 'host'}",
-        "dtype": x.dtype,
-        "ndim": len(shape),
-        "dim": dim,
-        "other extents": tuple(None if i in (dim, sharded) else n for i, n in enumerate(shape)),
-        "halo_width": int(halo_width),
-        "periodic": bool(periodic),
-        "extent": shape[dim],
-    }
-
-
-def _per_dim(name, value, count, check):
-    """``value`` for each of ``count`` dims: one value for all, or a tuple of ``count``; each passed to ``check``."""
-    values = tuple(value) if isinstance(value, (tuple, list)) else (value,) * count
-    if len(values) != count:
-        raise ValueError(f"{name}={value!r} needs one value per dim of the exchange ({count}), or a single value")
-    return tuple(check(v) for v in values)
-
-
-def _is_bool(name):
-    def check(value):
-        if not isinstance(value, (bool, np.bool_)):
-            raise TypeError(f"{name} must be True or False (or one per dim), got {value!r} ({type(value).__name__})")
-        return bool(value)
-    return check
-
-
-def _describe_tiles(x, shape, halo_width, dim, periodic, manager, boundary):
-    """:func:`_describe` for a :class:`~mpidomain.tile_layout.TileLayout` exchange."""
-    ndim = len(shape)
-    if boundary not in (None, "earth"):
-        raise ValueError(f"boundary must be None or 'earth', got {boundary!r}")
-    sharded = []
-    for d, parts in zip(manager.shard_dims, manager.domain_shape):
-        if -ndim <= d < ndim:
-            sharded.append(d % ndim)
-        elif parts > 1:
-            raise ValueError(f"the manager shards dim {d}, which a {ndim}-d array of shape {shape} does not have; "
-                             "pass arrays with the sharded dims")
-    if dim is None:
-        dim = (-2, -1) if boundary == "earth" else manager.shard_dims
-    dims = tuple(normalize_dim(d, shape) for d in (dim if isinstance(dim, (tuple, list)) else (dim,)))
-    if len(set(dims)) != len(dims):
-        raise ValueError(f"dim={dim!r} names a dim twice; pass distinct dims, e.g. (-2, -1)")
-    widths = _per_dim("halo_width", halo_width, len(dims),
-                      lambda h: require_int("halo_width", h, least=0, hint="ghost rows on each side, e.g. 1 or (1, 2)"))
-    wraps = _per_dim("periodic", periodic, len(dims), _is_bool("periodic"))
-    if boundary == "earth":
-        if sorted(dims) != [ndim - 2, ndim - 1]:
-            raise ValueError(f"boundary='earth' pads latitude and longitude, the last two dims (-2, -1) of x of shape "
-                             f"{shape}, got dim={dim!r}; pass dim=None or dim=(-2, -1)")
-        if any(wraps):
-            raise ValueError("boundary='earth' sets both boundaries (longitude periodic, latitude folded across "
-                             "the poles); drop periodic=")
-        modes = {ndim - 2: "fold", ndim - 1: "periodic"}
-    else:
-        modes = {d: "periodic" if w else "zeros" for d, w in zip(dims, wraps)}
-    grid = tuple(sorted(set(dims) | set(sharded)))
-    width_of = dict(zip(dims, widths))
-    return {
-        "array": f"{devices.array_kind(x)} on {'device' if devices.is_device_array(x) else 'host'}",
-        "dtype": x.dtype,
-        "ndim": ndim,
-        "dim": grid,
-        "other extents": tuple(None if i in grid else n for i, n in enumerate(shape)),
-        "halo_width": tuple(width_of.get(d, 0) for d in grid),
-        "boundaries": tuple(modes.get(d, "zeros") for d in grid),
-        "boundary": boundary,
-        "extent": tuple(shape[d] for d in grid),
-    }
-
-
-def _padded_shape(shape, mine):
-    """``shape`` with the halos of :func:`_describe`'s ``mine`` added."""
-    dims, widths = mine["dim"], mine["halo_width"]
-    if isinstance(dims, int):
-        dims, widths = (dims,), (widths,)
-    padded = list(shape)
-    for d, h in zip(dims, widths):
-        padded[d] += 2 * h
-    return tuple(padded)
-
-
-def _signature(mine):
-    """What every rank of the group must pass alike: the description less the extent along dim."""
-    return None if mine is None else {f: v for f, v in mine.items() if f != "extent"}
-
-
-def _group_mismatch(everyone):
-    """Return the TypeError/ValueError for the ranks' differing :func:`_signature` dicts."""
-    problems = []
-    for field in everyone[0]:
-        values = [e[field] for e in everyone]
-        if any(v != values[0] for v in values):
-            listing = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
-            problems.append(f"{field} must be the same on every rank of the domain group, got {listing}")
-    kind = TypeError if problems[0].startswith(("array", "dtype", "call")) else ValueError
-    return kind("halo exchange inputs disagree across the domain group:\n  " + "\n  ".join(problems))
-
-
-def _agree_inputs(comm, call, mine, error, flag=False, token=0):
-    """Agree on the ranks' inputs (one Allreduce) for ``call``; return ``flag`` set on any rank, or raise on all.
-
-    Also True where the ranks' int ``token`` differ.
-    """
-    return agree(comm, call, _signature(mine), flag, error, _group_mismatch, token)
-
-
-def _check_extents(comm, mine):
-    """Raise ValueError on every rank unless every rank holds at least ``halo_width`` rows; collective."""
-    extents = comm.allgather(mine["extent"])
-    width = mine["halo_width"]
-    if min(extents) < width:
-        listing = ", ".join(f"rank {r}: {n}" for r, n in enumerate(extents))
-        raise ValueError(
-            f"halo_width={width} exceeds the extent along dim on some ranks ({listing}); every rank "
-            f"must hold at least {width} rows: use a smaller halo_width or fewer domain ranks"
-        )
-
-
-def _check_tiles(comm, mine, manager):
-    """Return each grid dim's tile extents, per coordinate; raise ValueError on every rank unless the
-    ranks' tiles form a grid whose every tile holds at least its halo. Collective."""
-    everyone = comm.allgather(mine["extent"])
-    grid, widths = mine["dim"], mine["halo_width"]
-    ndim = mine["ndim"]
-    along = {d % ndim: k for k, d in enumerate(manager.shard_dims) if -ndim <= d < ndim}
-    extents, problems = [], []
-    for j, d in enumerate(grid):
-        k = along.get(d)
-        count = manager.domain_shape[k] if k is not None else 1
-        sizes = [None] * count
-        for rank, extent in enumerate(everyone):
-            c = manager.domain_coords_of(rank)[k] if k is not None else 0
-            if sizes[c] is None:
-                sizes[c] = extent[j]
-            elif sizes[c] != extent[j]:
-                problems.append(f"the tiles at coordinate {c} along dim {d} differ in extent "
-                                f"({', '.join(f'rank {r}: {e[j]}' for r, e in enumerate(everyone))}); every tile of "
-                                "a row or column of the grid must have the same extent, as shard_tensor cuts them")
-                break
-        if widths[j] > min(s for s in sizes if s is not None):
-            listing = ", ".join(f"rank {r}: {e[j]}" for r, e in enumerate(everyone))
-            problems.append(f"halo_width={widths[j]} along dim {d} exceeds the tile extent there on some ranks "
-                            f"({listing}); every tile must hold at least {widths[j]} rows: use a smaller halo or "
-                            "fewer ranks along that dim")
-        extents.append(tuple(sizes))
-    if problems:
-        raise ValueError("halo exchange on tiles: " + "; ".join(problems))
-    coords = tuple(manager.domain_coords[along[d]] if d in along else 0 for d in grid)
-    return tuple(extents), coords
 
 
 class HaloPlan:
@@ -273,41 +90,59 @@ class HaloPlan:
 
     def __init__(self, x, halo_width, dim=None, *, periodic=False, boundary=None, manager=None):
         manager = require_manager(manager, "halo exchange")
-        comm = library_comm(manager)
+        comm = manager.library_comm()
         mine, error = None, None
         try:
-            mine = _describe(x, halo_width, dim, periodic, manager, boundary)
+            mine = describe(x, halo_width, dim, periodic, manager, boundary)
         except (TypeError, ValueError) as exc:
             error = exc
-        _agree_inputs(comm, "HaloPlan", mine, error)
+        agree_inputs(comm, "HaloPlan", mine, error)
+        self._build(x, mine, manager, comm)
 
+    @classmethod
+    def _agreed(cls, x, mine, manager):
+        """Return a plan for ``x`` from its :class:`~mpidomain.halo_spec.HaloSpec` ``mine``, which the ranks have agreed on already.
+
+        Collective like the constructor (the extents are still gathered), without its agreement step.
+        """
+        plan = cls.__new__(cls)
+        plan._build(x, mine, manager, manager.library_comm())
+        return plan
+
+    def _build(self, x, mine, manager, comm):
+        """The constructor's work once the ranks agree on :class:`~mpidomain.halo_spec.HaloSpec` ``mine``: the layout, buffers and
+        requests."""
         self.manager = manager
         self.kind = devices.array_kind(x)
         self.dtype = x.dtype
         self.shape = tuple(int(n) for n in x.shape)
-        self.boundary = mine.get("boundary")
-        if "boundaries" in mine:  # tiles, several dims or the Earth: a TileLayout
-            extents, coords = _check_tiles(comm, mine, manager)
-            self.dim, self.halo_width, self.periodic = mine["dim"], mine["halo_width"], mine["boundaries"]
+        self.boundary = mine.boundary
+        if mine.tiled:  # tiles, several dims or the Earth: a TileLayout
+            extents, coords = check_tiles(comm, mine, manager)
+            self.dim, self.halo_width, self.periodic = mine.dim, mine.halo_width, mine.boundaries
             self.sharded = True
             layout = TileLayout(self.shape, self.dim, self.halo_width, self.periodic, extents, coords)
             # Tags the same on every rank, as many as the most blocks one rank takes from another.
-            layout = dataclasses.replace(layout, tag=allocate_tags(manager, max(layout.tags, 1)))
+            layout = dataclasses.replace(layout, tag=manager.allocate_tags(max(layout.tags, 1)))
         else:
-            _check_extents(comm, mine)
-            self.dim, self.halo_width, self.periodic = mine["dim"], mine["halo_width"], mine["periodic"]
+            check_extents(comm, mine)
+            self.dim, self.halo_width, self.periodic = mine.dim, mine.halo_width, mine.periodic
             # Along a dimension the group does not shard, every rank holds all of it: pad locally.
             self.sharded = _is_sharded(manager, self.dim, len(self.shape))
             size, rank = (comm.Get_size(), comm.Get_rank()) if self.sharded else (1, 0)
             # Two tags, the same on every rank: they name the plan (halo_exchange's cache agrees on them).
             layout = HaloLayout(self.shape, self.dim, self.halo_width, self.periodic, size, rank,
-                                allocate_tags(manager, 2))
+                                manager.allocate_tags(2))
         self.layout = layout
         self.tag, self.padded_shape, self.neighbors = layout.tag, layout.padded_shape, layout.neighbors
         self.transport = transport.transport_for(x)
         self._comm = comm  # the manager's private duplicate: no user message can match a halo
         self._device = devices.is_device_array(x)
         self._like = devices.empty((0,), like=x)  # allocates padded arrays of x's kind and device
+        like = self._like
+        self._wrap = (lambda array: array) if self.kind == "numpy" else (lambda array: devices.from_numpy(array, like))
+        if self.kind == "torch" and not self._device and x.dtype is not sys.modules["torch"].bfloat16:
+            self._wrap = sys.modules["torch"].from_numpy  # a host array of x's kind from NumPy memory
         self._in_flight = None
         self._freed = False
         self._interior = layout.interior
@@ -321,18 +156,18 @@ class HaloPlan:
         self._numpy_dtype = dtype = devices.numpy_dtype(x)
         padded = self.padded_shape
         smallest = min((_elements(padded, b) for b in self._receives), default=0)
-        self._receive_in_place = self.transport.name == "host" and smallest * dtype.itemsize >= _IN_PLACE_RECEIVE_BYTES
+        self._receive_in_place = not self.transport.on_device and smallest * dtype.itemsize >= _IN_PLACE_RECEIVE_BYTES
         self._send_buffers = [self.transport.buffer((_elements(padded, b),), dtype, x) for b in self._sends]
         self._recv_buffers = [self.transport.buffer((_elements(padded, b),), dtype, x) for b in self._receives]
         self._send_views = [_views(buffer, padded, b) for buffer, b in zip(self._send_buffers, self._sends)]
         self._recv_views = [_views(buffer, padded, b) for buffer, b in zip(self._recv_buffers, self._receives)]
-        self._send_requests = [comm.Send_init(_message(buffer), dest=m.peer, tag=m.tag)
+        self._send_requests = [comm.Send_init(message(buffer), dest=m.peer, tag=m.tag)
                                for m, buffer in zip(self._sends, self._send_buffers)]
-        self._recv_types = [_bundle_type(padded, dtype.itemsize, b) for b in self._receives] \
+        self._recv_types = [struct_of_blocks(padded, dtype.itemsize, [m.rows for m in b.blocks]) for b in self._receives] \
             if self._receive_in_place else []
         self._bound_address = None
         self._recv_requests = [] if self._receive_in_place else [
-            comm.Recv_init(_message(buffer), source=m.peer, tag=m.tag)
+            comm.Recv_init(message(buffer), source=m.peer, tag=m.tag)
             for m, buffer in zip(self._receives, self._recv_buffers)]
         self._requests = self._recv_requests + self._send_requests
         plan_cache.register(self)
@@ -348,10 +183,13 @@ class HaloPlan:
         return devices.empty(self.padded_shape, like=self._like)
 
     def _new_padded(self):
-        """A new padded array; on the host NumPy allocates it for both kinds (freed memory is reused at once)."""
-        if self.transport.name != "host":
-            return devices.empty(self.padded_shape, like=self._like)
-        return devices.from_numpy(np.empty(self.padded_shape, self._numpy_dtype), like=self._like)
+        """Return a new padded array and its :meth:`Transport.view`; on the host NumPy allocates it for both
+        kinds (freed memory is reused at once), and the NumPy array is the view."""
+        if self.transport.on_device:
+            out = devices.empty(self.padded_shape, like=self._like)
+            return out, self.transport.view(out)
+        working = np.empty(self.padded_shape, self._numpy_dtype)
+        return self._wrap(working), working
 
     # -- checks -------------------------------------------------------------
     def _check_usable(self):
@@ -462,13 +300,19 @@ class HaloPlan:
             self._check_array(out, self.padded_shape, "out")
         return self._pad(x, out)
 
-    def _pad(self, x, out=None, interior_done=False):
-        """:meth:`pad` without its checks; ``interior_done``: ``out`` already holds ``x`` in its interior."""
-        if out is None:
-            out = self._new_padded()
-        source, working = self.transport.view(x), self.transport.view(out)
+    def _pad(self, x, out=None, views=None):
+        """:meth:`pad` without its checks; ``views``: the :meth:`Transport.view` of ``x`` and of ``out``,
+        which already holds ``x`` in its interior."""
+        if views is None:
+            if out is None:
+                out, working = self._new_padded()
+            else:
+                working = self.transport.view(out)
+            source = self.transport.view(x)
+        else:
+            source, working = views
         self._begin(source, self._send_rows_of_shard, working)
-        if not interior_done:
+        if views is None:
             working[self._interior] = source
         self._finish(working)
         return out
@@ -500,9 +344,9 @@ class HaloPlan:
             for m, view in zip(bundle.blocks, views):
                 self.transport.pack(working[m.rows], view)
         self.transport.synchronize(grad)
-        requests = [self._comm.Irecv(_message(buffer), source=m.peer, tag=m.tag)
+        requests = [self._comm.Irecv(message(buffer), source=m.peer, tag=m.tag)
                     for m, buffer in zip(self._sends, self._send_buffers)]
-        requests += [self._comm.Isend(_message(buffer), dest=m.peer, tag=m.tag)
+        requests += [self._comm.Isend(message(buffer), dest=m.peer, tag=m.tag)
                      for m, buffer in zip(self._receives, self._recv_buffers)]
         wait_all(requests, comm=self._comm, call="HaloPlan.adjoint",
                  awaiting=lambda: _awaiting(self._sends, self._receives))
@@ -575,17 +419,6 @@ class HaloPlan:
                 f"dim={self.dim}, periodic={self.periodic}, {boundary}{state})")
 
 
-def _message(buffer):
-    """The MPI message of a contiguous buffer (host or device): its raw bytes."""
-    return [devices.mpi_buffer(devices.byte_view(buffer)), mpi().BYTE]
-
-
-def _block_shape(shape, rows):
-    """The shape of block ``rows`` (an index of slices, maybe shorter than ``shape``) of an array of ``shape``."""
-    rows = tuple(rows) + (slice(None),) * (len(shape) - len(rows))
-    return tuple(len(range(*s.indices(n))) for s, n in zip(rows, shape))
-
-
 @dataclasses.dataclass(frozen=True)
 class _Bundle:
     """The blocks (layout messages) one rank exchanges with ``peer`` in one direction: one MPI message."""
@@ -606,38 +439,18 @@ def _bundles(messages):
 
 def _elements(shape, bundle):
     """The number of elements of ``bundle``'s blocks of an array of ``shape``."""
-    return sum(math.prod(_block_shape(shape, m.rows)) for m in bundle.blocks)
+    return sum(math.prod(block_shape(shape, m.rows)) for m in bundle.blocks)
 
 
 def _views(buffer, shape, bundle):
     """Views of flat ``buffer``, one per block of ``bundle``, each of its block's shape."""
     views, start = [], 0
     for m in bundle.blocks:
-        block = _block_shape(shape, m.rows)
+        block = block_shape(shape, m.rows)
         n = math.prod(block)
         views.append(buffer[start:start + n].reshape(block))
         start += n
     return views
-
-
-def _bundle_type(shape, itemsize, bundle):
-    """The committed datatype of ``bundle``'s blocks of a C-contiguous array of ``shape``, in order."""
-    blocks = [_subarray(shape, itemsize, m.rows) for m in bundle.blocks]
-    if len(blocks) == 1:
-        return blocks[0]
-    joined = mpi().Datatype.Create_struct([1] * len(blocks), [0] * len(blocks), blocks).Commit()
-    for block in blocks:
-        block.Free()
-    return joined
-
-
-def _subarray(shape, itemsize, rows):
-    """The committed datatype of block ``rows`` of a C-contiguous array of ``shape``."""
-    rows = tuple(rows) + (slice(None),) * (len(shape) - len(rows))
-    starts = [s.indices(n)[0] for s, n in zip(rows, shape)]
-    sizes, block = list(shape), list(_block_shape(shape, rows))
-    sizes[-1], block[-1], starts[-1] = sizes[-1] * itemsize, block[-1] * itemsize, starts[-1] * itemsize
-    return mpi().BYTE.Create_subarray(sizes, block, starts).Commit()
 
 
 def _mirrored(buffer, dims):
@@ -687,31 +500,32 @@ def cached_plan(x, halo_width, dim=None, *, periodic=False, boundary=None, manag
 
 
 def _settle(x, halo_width, dim, periodic, boundary, manager, call, out=None, copy_interior=False):
-    """:func:`cached_plan`'s work; return ``(plan, out, interior copied)``.
+    """:func:`cached_plan`'s work; return ``(plan, out, views)``.
 
     ``out`` is checked with the arguments (a bad one raises on every rank).
     With ``copy_interior``, a rank that holds a plan for ``x`` copies ``x``
-    into ``out`` (a new padded array if None) while the agreement travels.
+    into ``out`` (a new padded array if None) while the agreement travels;
+    ``views`` is then the :meth:`Transport.view` of ``x`` and of ``out`` (else None).
     """
     manager = require_manager(manager, "halo exchange")
-    comm = library_comm(manager)
+    comm = manager.library_comm()
     cache = plan_cache.cache_of(manager)
     quick = _quick_key(x, halo_width, dim, periodic, boundary, call)
     found = None if quick is None else cache.quick(quick)
     error = None
     if found is not None:  # arguments seen before: their checks passed then, and would again
-        key, plan, (signature, code) = found
+        key, plan, (signature, code, mine) = found
         padded_shape = plan.padded_shape
     else:
-        signature, key, code, padded_shape = None, None, None, None
+        signature, key, code, padded_shape, mine = None, None, None, None, None
         try:
-            mine = _describe(x, halo_width, dim, periodic, manager, boundary)
+            mine = describe(x, halo_width, dim, periodic, manager, boundary)
             kind = devices.array_kind(x)
             device = str(x.device) if kind == "torch" else x.device.id if kind == "cupy" else None
-            key = (tuple(mine.values()), tuple(x.shape), device)  # this rank's plan; not the call kind
-            signature = dict(_signature(mine), call=call)
+            key = (mine, tuple(x.shape), device)  # this rank's plan; not the call kind
+            signature = dict(mine.signature(), call=call)
             code = agreement_code("halo_exchange", signature)
-            padded_shape = _padded_shape(tuple(x.shape), mine)
+            padded_shape = mine.padded_shape(tuple(x.shape))
         except (TypeError, ValueError) as exc:
             error = exc
         plan = None if key is None else cache.get(key)
@@ -722,22 +536,24 @@ def _settle(x, halo_width, dim, periodic, boundary, manager, call, out=None, cop
             error = exc
     # A hit counts only if every rank hit the same plan, the one built together with the same tags:
     # after uneven shards, one rank's key can find a plan its neighbour has since replaced.
-    agreement = Agreement(comm, "halo_exchange", signature, plan is None, error, _group_mismatch,
+    agreement = Agreement(comm, "halo_exchange", signature, plan is None, error, group_mismatch,
                           -1 if plan is None else plan.tag, code)
-    copied = False
+    views = None
     if copy_interior and plan is not None and error is None and plan.shape == tuple(x.shape):
         if out is None:
-            out = plan._new_padded()
-        plan.transport.view(out)[plan._interior] = plan.transport.view(x)  # local work under the agreement
-        copied = True
-    if agreement.result():
-        plan = HaloPlan(x, halo_width, dim, periodic=periodic, boundary=boundary, manager=manager)
+            out, working = plan._new_padded()
+        else:
+            working = plan.transport.view(out)
+        views = (plan.transport.view(x), working)
+        working[plan._interior] = views[0]  # local work under the agreement
+    if agreement.result():  # every rank described its arguments, and they agree: build on that
+        plan = HaloPlan._agreed(x, mine, manager)
         cache.put(key, plan)
     else:
         cache.touch(key)
     if found is None and quick is not None:
-        cache.remember(quick, key, (signature, code))
-    return plan, out, copied
+        cache.remember(quick, key, (signature, code, mine))
+    return plan, out, views
 
 
 def _check_out(out, x, padded_shape, call):
@@ -780,7 +596,8 @@ def halo_exchange(x, halo_width, dim=None, *, periodic=False, boundary=None, man
     agreement step (a non-blocking Allreduce, overlapped with copying ``x``
     into the result) that checks the ranks' arguments and settles the plan
     cache alike on every rank; a mismatch raises on every rank. A Torch
-    tensor that requires grad goes through :class:`mpidomain.nn.HaloExchange`.
+    tensor that requires grad is differentiable: backward is the exact adjoint
+    (:meth:`HaloPlan.adjoint`).
     ``out``, a C-contiguous array of the result's kind, dtype, device and
     shape, receives the result instead of a new array (reusing it saves the
     allocation, which for a large result costs as much as the copy).
@@ -803,10 +620,51 @@ def halo_exchange(x, halo_width, dim=None, *, periodic=False, boundary=None, man
     :param out: Where to write the result (not with a tensor that requires grad).
     """
     if getattr(x, "requires_grad", False) is True:  # a Torch tensor in an autograd graph
+        import torch
+
+        # Every rank must agree whether a backward will follow: the agreement step checks it.
+        call = "pad+grad" if torch.is_grad_enabled() else "pad"
         if out is not None:  # the same agreement as the autograd path's, raising on every rank
             _settle(x, halo_width, dim, periodic, boundary, manager, "pad+grad", out)
-        from .nn.halo import HaloExchange
+        return _autograd_function().apply(x, halo_width, dim, periodic, boundary, manager, call)
+    plan, out, views = _settle(x, halo_width, dim, periodic, boundary, manager, "pad", out, copy_interior=True)
+    return plan._pad(x, out, views)
 
-        return HaloExchange(halo_width, dim, periodic, boundary=boundary, manager=manager)(x)
-    plan, out, copied = _settle(x, halo_width, dim, periodic, boundary, manager, "pad", out, copy_interior=True)
-    return plan._pad(x, out, copied)
+
+_FUNCTION = None
+
+
+def _autograd_function():
+    """Return the torch.autograd.Function behind :func:`halo_exchange` on a tensor that requires grad.
+
+    Built on first use (torch is imported lazily). Forward pads with the
+    neighbours' rows; backward is the exact adjoint: each ghost row's gradient
+    returns to the rank that owns the row and is added onto it
+    (:meth:`HaloPlan.adjoint`), periodic wrap and mirrored fold rows included.
+    """
+    global _FUNCTION
+    if _FUNCTION is not None:
+        return _FUNCTION
+    import torch
+
+    class HaloExchangeFunction(torch.autograd.Function):
+        """Pad with the neighbours' rows; backward sends ghost-row gradients back to their owners."""
+
+        @staticmethod
+        def forward(ctx, x, halo_width, dim, periodic, boundary, manager, call):
+            plan = cached_plan(x, halo_width, dim, periodic=periodic, boundary=boundary, manager=manager, call=call)
+            ctx.plan_arguments = (halo_width, dim, periodic, boundary, plan.manager, plan.layout.interior)
+            return plan.pad(x)
+
+        @staticmethod
+        @torch.autograd.function.once_differentiable
+        def backward(ctx, grad):
+            halo_width, dim, periodic, boundary, manager, interior = ctx.plan_arguments
+            # The plan is found again (it may have left halo_exchange's cache since the forward)
+            # from a view with the unpadded shard's shape, dtype and device.
+            plan = cached_plan(grad[interior], halo_width, dim, periodic=periodic, boundary=boundary,
+                               manager=manager, call="adjoint")
+            return plan.adjoint(grad), None, None, None, None, None, None
+
+    _FUNCTION = HaloExchangeFunction
+    return _FUNCTION

@@ -23,6 +23,7 @@ import warnings
 
 from . import abort, binding
 from . import torch_bridge as bridge
+from ._current import closed_error, current_manager, forget, make_current
 from ._mpi import _ranges, check_same, forget_timeout, is_active, mpi, share_agreements, unshare_agreements
 from ._validate import is_int
 from .launcher import check_launcher_world, detect_launcher
@@ -31,9 +32,6 @@ from .mesh import AXES, Mesh
 __all__ = ["DomainParallelManager", "initialize_domain_parallel", "get_domain_parallel_manager"]
 
 logger = logging.getLogger(__name__)
-
-_MANAGER = None
-
 
 def domain_layout(domain_parallel_size, shard_dim):
     """Return ``(domain_shape, shard_dims)``: ``((D,), (dim,))`` for ints, the pairs for a 2-D decomposition.
@@ -172,7 +170,6 @@ class DomainParallelManager:
         # (scripts/bench_manager.py measures it against Create_cart and Sub).
         self._domain_comm, self._tp_comm, self._dp_comm = (
             self._comm.Split(self.mesh.group_index(axis), rank) for axis in ("domain", "tp", "dp"))
-        self._node_comm = self._comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
         self._domain_comm.Set_name(f"mpidomain.domain[{self._domain_group_idx}]")
         self._tp_comm.Set_name(f"mpidomain.tensor_parallel[{self.mesh.group_index('tp')}]")
         self._dp_comm.Set_name(f"mpidomain.data_parallel[{self.mesh.group_index('dp')}]")
@@ -198,21 +195,7 @@ class DomainParallelManager:
         self._library_comms = [*self._private.values(), self._comm]
         self.number = share_agreements(self._comm, self._library_comms, "manager #{number} " + self._describe())
         self._next_tag = 16  # tags handed out collectively by allocate_tags()
-        # The node's lowest rank is its node-local rank 0 (Split_type was keyed by rank): no collective.
-        node_group, world_group = self._node_comm.Get_group(), self._comm.Get_group()
-        shared_root = node_group.Translate_ranks([0], world_group)[0]
-        node_group.Free()
-        world_group.Free()
-        gathered = self._comm.allgather((shared_root, MPI.Get_processor_name()))
-        nodes = node_roots([root for root, _ in gathered], [host for _, host in gathered])
-        if nodes != [root for root, _ in gathered]:
-            # MPI split a host into several shared-memory domains (srun -m arbitrary over pmi2
-            # gives MPICH no process mapping): the host is the node. Alike on every rank.
-            self._node_comm.Free()
-            self._node_comm = self._comm.Split(nodes[rank], rank)
-        distinct_roots = sorted(set(nodes))
-        self._node_index = distinct_roots.index(nodes[rank])
-        self._num_nodes = len(distinct_roots)
+        self._node_comm, self._node_index, self._num_nodes = binding.node_of(self._comm)
         # Before any torch groups: NCCL communicators use the current device.
         self.device_binding = None
         if bind_device != "none":
@@ -338,7 +321,7 @@ class DomainParallelManager:
         (no communication); :meth:`close` releases it with the groups.
         """
         if self._closed:
-            raise RuntimeError(f"{self!r} is closed; initialise a new manager")
+            raise closed_error(self)
         if not self.torch_bridge:
             raise RuntimeError(
                 "device_mesh needs torch.distributed groups: build the manager with torch_bridge=True"
@@ -347,6 +330,45 @@ class DomainParallelManager:
             domain, tp, dp = self._torch_groups
             self._device_mesh = bridge.device_mesh([dp, tp, domain], self.mesh.layout(), AXES)
         return self._device_mesh
+
+    def library_comm(self, group="domain"):
+        """Return the library's private communicator: ``"domain"``, ``"tp"``, ``"data"`` or ``"world"``.
+
+        With tiles also ``"band"`` (the tiles of this rank's latitude row, by ``i_lon``) and
+        ``"column"`` (those of its longitude column, by ``i_lat``).
+
+        ``"world"`` is the private duplicate of the parent communicator the
+        groups were split from. The library's own messages travel only on these;
+        users hold ``comm``, ``domain_comm`` and ``data_parallel_comm`` and never see them. Local.
+        """
+        if self._closed:
+            raise closed_error(self)
+        if group == "world":
+            return self._comm
+        return self._private[group]
+
+    def on_close(self, callback):
+        """Call ``callback(self)`` when the manager closes, before its communicators are freed.
+
+        For modules that keep MPI resources per manager (halo plans) without the
+        manager importing them. Local.
+        """
+        if self._closed:
+            raise closed_error(self)
+        self._close_callbacks.append(callback)
+
+    def allocate_tags(self, count):
+        """Return the first of ``count`` consecutive tags no other live plan of this manager uses.
+
+        Collective in effect: every rank of the group must call it in the same
+        order (plan construction, itself agreed, is the only caller), so each
+        rank gets the same tags. Tags cycle below MPI's guaranteed bound of 32767.
+        """
+        first = self._next_tag
+        if first + count > 32767:
+            first = 16
+        self._next_tag = first + count
+        return first
 
     # -- MPI specifics --------------------------------------------------------
     @property
@@ -421,12 +443,10 @@ class DomainParallelManager:
         process group is destroyed only if a bridged manager created it and no
         other bridged manager still uses it.
         """
-        global _MANAGER
         if self._closed:
             return
         self._closed = True
-        if _MANAGER is self:
-            _MANAGER = None
+        forget(self)
         callbacks, self._close_callbacks = self._close_callbacks, []
         for callback in callbacks:
             callback(self)
@@ -472,72 +492,9 @@ class DomainParallelManager:
         )
 
 
-def node_roots(shared_roots, hosts):
-    """Return each rank's node as its lowest rank: ranks sharing memory or a host name are on one node.
-
-    ``shared_roots[r]`` is the lowest rank of rank ``r``'s shared-memory
-    communicator, ``hosts[r]`` its processor name. MPI's shared-memory split is
-    usually the node; where it is finer (no process mapping from the launcher:
-    every rank alone), the host name joins the ranks; where it is coarser
-    (containers with their own host names on one machine), the machine is the
-    node. Local, pure.
-    """
-    parent = list(range(len(hosts)))
-
-    def find(r):
-        while parent[r] != r:
-            parent[r] = parent[parent[r]]
-            r = parent[r]
-        return r
-
-    first_of_host = {}
-    for rank, (root, host) in enumerate(zip(shared_roots, hosts)):
-        for other in (root, first_of_host.setdefault(host, rank)):
-            a, b = find(rank), find(other)
-            parent[max(a, b)] = min(a, b)
-    return [find(rank) for rank in range(len(hosts))]
-
-
 def library_comm(manager, group="domain"):
-    """Return the library's private communicator of ``manager``: ``"domain"``, ``"tp"``, ``"data"`` or ``"world"``.
-
-    With tiles also ``"band"`` (the tiles of this rank's latitude row, by ``i_lon``) and
-    ``"column"`` (those of its longitude column, by ``i_lat``).
-
-    ``"world"`` is the private duplicate of the parent communicator the
-    groups were split from. The library's own messages travel only on these;
-    users hold ``comm``, ``domain_comm`` and ``data_parallel_comm`` and never see them.
-    """
-    if manager.closed:
-        raise RuntimeError(f"{manager!r} is closed; initialise a new manager")
-    if group == "world":
-        return manager._comm
-    return manager._private[group]
-
-
-def on_close(manager, callback):
-    """Call ``callback(manager)`` when ``manager`` closes, before its communicators are freed.
-
-    For modules that keep MPI resources per manager (halo plans) without the
-    manager importing them. Local.
-    """
-    if manager.closed:
-        raise RuntimeError(f"{manager!r} is closed; initialise a new manager")
-    manager._close_callbacks.append(callback)
-
-
-def allocate_tags(manager, count):
-    """Return the first of ``count`` consecutive tags no other live plan of ``manager`` uses.
-
-    Collective in effect: every rank of the group must call it in the same
-    order (plan construction, itself agreed, is the only caller), so each
-    rank gets the same tags. Tags cycle below MPI's guaranteed bound of 32767.
-    """
-    first = manager._next_tag
-    if first + count > 32767:
-        first = 16
-    manager._next_tag = first + count
-    return first
+    """Return ``manager.library_comm(group)``: the library's private communicator (see the method)."""
+    return manager.library_comm(group)
 
 
 def _plain(policy):
@@ -561,10 +518,9 @@ def initialize_domain_parallel(world_size, domain_parallel_size, shard_dim=-2, *
     :param tensor_parallel_size: Ranks per tensor-parallel group (see :class:`DomainParallelManager`).
     :param options: ``comm``, ``torch_bridge``, ``bind_device``: passed to the manager.
     """
-    global _MANAGER
     manager = DomainParallelManager(world_size, domain_parallel_size, shard_dim,
                                     tensor_parallel_size=tensor_parallel_size, abort_on_error=abort_on_error, **options)
-    previous, _MANAGER = _MANAGER, manager
+    previous = make_current(manager)
     if previous is not None:
         previous.close()
     return manager
@@ -572,4 +528,4 @@ def initialize_domain_parallel(world_size, domain_parallel_size, shard_dim=-2, *
 
 def get_domain_parallel_manager():
     """Return the global :class:`DomainParallelManager`, or None before initialisation."""
-    return _MANAGER
+    return current_manager()

@@ -36,8 +36,6 @@ class Mesh:
     :param rank: This process' global rank, ``0 <= rank < dp * tp * domain``.
     """
 
-    names = AXES
-
     def __init__(self, shape, rank):
         shape = tuple(shape)
         if len(shape) != len(AXES) or not all(is_int(n) and n >= 1 for n in shape):

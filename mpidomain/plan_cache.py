@@ -10,8 +10,6 @@ settles every hit or miss for all ranks of the group in its agreement step.
 import weakref
 from collections import OrderedDict
 
-from .manager import on_close
-
 __all__ = ["CACHE_SIZE", "PlanCache", "cache_of", "cached_plans", "register", "unregister"]
 
 CACHE_SIZE = 16
@@ -108,7 +106,7 @@ def unregister(plan):
 def _watch(manager):
     if manager not in _WATCHED:
         _WATCHED.add(manager)
-        on_close(manager, _release_plans_of)
+        manager.on_close(_release_plans_of)
 
 
 def _release_plans_of(manager):

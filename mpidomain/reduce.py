@@ -10,7 +10,7 @@ import numpy as np
 
 from . import devices, transport
 from ._mpi import agree, mpi
-from .manager import get_domain_parallel_manager, library_comm
+from ._current import require_manager
 
 __all__ = ["allreduce", "group_communicator"]
 
@@ -33,19 +33,10 @@ def group_communicator(group, manager=None):
     if isinstance(group, str):
         if group not in GROUPS:
             raise ValueError(f"group must be one of {GROUPS} or an mpi4py communicator, got {group!r}")
-        if manager is None:
-            manager = get_domain_parallel_manager()
-        if manager is None:
-            if mpi().COMM_WORLD.Get_size() > 1:
-                raise RuntimeError(
-                    f"group={group!r} needs a domain-parallel manager, but none is initialised in this "
-                    f"{mpi().COMM_WORLD.Get_size()}-process job; call mpidomain.initialize_domain_parallel(...) "
-                    "first, or pass manager= or an mpi4py communicator as group"
-                )
-            return None
-        if manager.closed:
-            raise RuntimeError(f"{manager!r} is closed; pass an open manager or call initialize_domain_parallel again")
-        return library_comm(manager, _PRIVATE[group])
+        manager = require_manager(manager, f"group={group!r}", alone_ok=True,
+                                  fix="call mpidomain.initialize_domain_parallel(...) first, or pass manager= or an "
+                                      "mpi4py communicator as group")
+        return None if manager is None else manager.library_comm(_PRIVATE[group])
     if not isinstance(group, mpi().Intracomm):
         raise TypeError(
             f"group must be one of {GROUPS} or an mpi4py intracommunicator, got {type(group).__name__}"

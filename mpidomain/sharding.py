@@ -20,7 +20,8 @@ import numpy as np
 from . import devices, transport
 from ._mpi import agree, mpi, wait_all
 from ._validate import normalize_dim, require_int, require_manager
-from .manager import get_domain_parallel_manager, library_comm
+from ._current import closed_error, current_manager
+from .manager import library_comm
 
 __all__ = ["balanced_split", "shard_tensor", "shard_batch", "gather_tensor", "scatter_tensor"]
 
@@ -52,11 +53,11 @@ def _active_manager(manager, what=None):
     if what is not None:
         manager = require_manager(manager, what, alone_ok=True)
     elif manager is None:
-        manager = get_domain_parallel_manager()
+        manager = current_manager()
     if manager is None or manager.domain_parallel_size == 1:
         return None
     if manager.closed:
-        raise RuntimeError(f"{manager!r} is closed; pass an open manager or call initialize_domain_parallel again")
+        raise closed_error(manager)
     return manager
 
 
@@ -382,7 +383,7 @@ def _gather(comm, x, dim, out):
     full_shape = tuple(x.shape[:dim]) + (sum(counts),) + tuple(x.shape[dim + 1:])
     x = devices.contiguous(x.detach() if devices.array_kind(x) == "torch" else x)
     way = transport.transport_for(x)
-    if out is None and way.name != "direct":
+    if out is None and not way.device_memory_to_mpi:
         out = devices.empty(full_shape, like=x)
     itemsize = devices.numpy_dtype(x).itemsize
     outer, row_elements = math.prod(x.shape[:dim]), math.prod(x.shape[dim + 1:])
@@ -392,7 +393,7 @@ def _gather(comm, x, dim, out):
     send = _row_type(row_bytes, outer * counts[rank]) if counts[rank] else None
     send_types = [send if r != rank else None for r in range(len(counts))]
     try:
-        if way.name == "direct":
+        if way.device_memory_to_mpi:
             return _gather_device(comm, x, dim, counts, offsets, outer, row_elements, send_types, out)
         host_x = way.readable(x)
         recv_types = _placed_types(outer, row_bytes, counts, offsets, full_shape[dim])
@@ -555,7 +556,7 @@ def _scatter_send(comm, x, dim, counts, offsets, outer, row_bytes):
     rank = comm.Get_rank()
     others = [r for r in range(comm.Get_size()) if r != rank and counts[r]]
     way = transport.transport_for(x)
-    if way.name == "direct":
+    if way.device_memory_to_mpi:
         # CUDA-aware: pack each shard on the device; strided datatypes on device memory are slow.
         chunks = [_copy_rows(x, dim, offsets[r], counts[r]) for r in others]
         way.synchronize(x)

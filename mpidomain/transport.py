@@ -35,6 +35,16 @@ class Transport:
         """True if the arrays live in device memory (direct or staged)."""
         return self.name != "host"
 
+    @property
+    def device_memory_to_mpi(self):
+        """True if MPI reads and writes device memory itself (``direct``: a CUDA-aware MPI)."""
+        return self.name == "direct"
+
+    @property
+    def stages(self):
+        """True if device memory travels through pinned host buffers (``staged``)."""
+        return self.name == "staged"
+
     def view(self, array):
         """Return ``array`` in the form this transport's copies take: a NumPy view of host memory,
         the (detached) device array itself."""

@@ -29,7 +29,9 @@ Each rank holds one shard of the given shape (float32). Rows, per shape and halo
   into the ghost rows).
 
 Times are medians (and minima) over repetitions, each call started after a barrier, of the
-slowest rank; ratios compare medians. Targets (2 ranks) are printed as pass/miss.
+slowest rank; ratios compare medians. Targets (at 2 and 4 ranks) are printed as pass/miss:
+small field, the Torch call <= 1.25x hand-written mpi4py and <= 1.15x the NumPy call; large
+field, ``out=`` <= 1.10x the copy floor and a new result <= 1.10x hand-written mpi4py.
 """
 
 import argparse
@@ -45,7 +47,7 @@ from mpi4py import MPI
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import mpidomain  # noqa: E402
-from mpidomain._mpi import agrees_and_any  # noqa: E402
+from mpidomain._mpi import agree, agreement_code  # noqa: E402
 
 WORLD = MPI.COMM_WORLD
 
@@ -190,6 +192,7 @@ def bench(shape, h, repetitions, manager, gloo):
         MPI.Request.Waitall(requests)
 
     signature = {"array": "numpy on host", "dtype": x.dtype, "ndim": x.ndim, "dim": 2, "halo_width": h}
+    code = agreement_code("halo_exchange", signature)  # kept from an earlier call, as halo_exchange keeps it
     # Same results before timing anything.
     ours = mpidomain.halo_exchange(x, h, dim)
     assert np.array_equal(ours, mpi4py_exchange(comm, x, h, prev_rank, next_rank))
@@ -215,7 +218,7 @@ def bench(shape, h, repetitions, manager, gloo):
         "mpidomain pad+exchange torch, out=": lambda: mpidomain.halo_exchange(xt, h, dim, out=preallocated_torch),
         "pad+exchange, fresh output": lambda: plan.pad(x, np.empty(padded_shape, np.float32)),
         "held plan pad": lambda: plan.pad(x),
-        "agreement step": lambda: agrees_and_any(comm, ("halo_exchange", signature), False, 16),
+        "agreement step": lambda: agree(comm, "halo_exchange", signature, False, None, None, 16, code),
         "hand-written mpi4py": lambda: mpi4py_exchange(comm, x, h, prev_rank, next_rank),
     }, repetitions)
     measured.update(timed({
@@ -238,17 +241,24 @@ def report(shape, h, measured, rows):
     """Append the case's rows, ratios and verdicts (targets at 2 ranks) to ``rows``."""
     large = shape[-2] * shape[-1] >= 100_000
     two = WORLD.size == 2
+    targeted = WORLD.size in (2, 4)
     m = measured
+
+    def at(target, when=True):
+        return target if targeted and when else None
+
     checks = [
-        ("mpidomain pad+exchange numpy, out=", "floor numpy", 1.15 if two and large else None, "<="),
-        ("mpidomain pad+exchange torch, out=", "floor torch", 1.15 if two and large else None, "<="),
-        ("mpidomain pad+exchange numpy", "fresh allocation + copy numpy", 1.15 if two and large else None, "<="),
-        ("mpidomain pad+exchange torch", "fresh allocation + copy torch", 1.15 if two and large else None, "<="),
+        ("mpidomain pad+exchange numpy, out=", "floor numpy", at(1.10, large), "<="),
+        ("mpidomain pad+exchange torch, out=", "floor torch", at(1.10, large), "<="),
+        ("mpidomain pad+exchange numpy", "fresh allocation + copy numpy", None, "<="),
+        ("mpidomain pad+exchange torch", "fresh allocation + copy torch", None, "<="),
+        ("mpidomain pad+exchange numpy", "hand-written mpi4py", at(1.10, large), "<="),
+        ("mpidomain pad+exchange torch", "hand-written mpi4py", at(1.10 if large else 1.25), "<="),
+        ("mpidomain pad+exchange torch", "mpidomain pad+exchange numpy", at(1.15, not large), "<="),
         ("pad+exchange, fresh output", "mpidomain pad+exchange numpy", None, "<="),
         ("held plan pad", "mpidomain pad+exchange numpy", None, "<="),
         ("agreement step", "mpidomain pad+exchange numpy", None, "<="),
-        ("hand-written mpi4py", "mpidomain pad+exchange numpy", None, "<="),
-        ("mpidomain pad+exchange numpy", "hand-written mpi4py", 1.5 if two and not large else None, "<="),
+        ("agreement step", "hand-written mpi4py", None, "<="),
         ("CREDIT gloo", "mpidomain pad+exchange torch", (3 if large else 8) if two else None, ">="),
         ("CREDIT gloo", "mpidomain pad+exchange torch, gloo alive", None, ">="),
         ("in-place plan", "raw transfer", 1.2 if two else None, "<="),

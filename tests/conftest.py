@@ -13,7 +13,7 @@ import pytest
 from mpi4py import MPI
 
 from mpidomain import manager as manager_module
-from mpidomain._mpi import wait_politely
+from mpitest import wait_politely
 
 WORLD = MPI.COMM_WORLD
 

@@ -32,9 +32,9 @@ def test_bench_halo_prints_verdicts(world):
         result = run_mpi(2, [_script("bench_halo.py"), "--repetitions", "1"], timeout=300)
         assert result.returncode == 0, result.stderr
         verdicts = [line for line in result.stdout.splitlines() if "(target" in line]
-        # At 2 ranks: six targets on each large case (h=1, h=3), three on the small one;
+        # At 2 ranks: six targets on each large case (h=1, h=3), four on the small one;
         # each row says pass or MISS.
-        assert len(verdicts) == 15 and all(("pass" in v) != ("MISS" in v) for v in verdicts), result.stdout
+        assert len(verdicts) == 16 and all(("pass" in v) != ("MISS" in v) for v in verdicts), result.stdout
 
 
 def test_bench_layers_prints_a_verdict(world):

@@ -168,6 +168,6 @@ def test_torch_bridge_groups_are_torch(world, torch_world):
     ([0, 1, 0, 1], ["a", "b", "a", "b"], [0, 1, 0, 1]),                             # cyclic placement
 ])
 def test_node_roots_join_shared_memory_and_host_names(shared_roots, hosts, expected):
-    from mpidomain.manager import node_roots
+    from mpidomain.binding import node_roots
 
     assert node_roots(shared_roots, hosts) == expected

@@ -5,7 +5,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from mpidomain import DomainParallelManager, balanced_split  # noqa: E402
-from mpidomain.nn import (DomainParallelConv2d, DomainParallelConvTranspose2d, DomainParallelInterpolate,  # noqa: E402
+from mpidomain.nn import (DomainParallelConv2d, HaloExchange, DomainParallelConvTranspose2d, DomainParallelInterpolate,  # noqa: E402
                           DomainParallelPeriodicConv2d, allreduce_gradients, convert_to_domain_parallel)
 
 nn = torch.nn
@@ -193,3 +193,36 @@ def test_a_layer_that_leaves_a_sharded_dim_out_raises(world):
             along_lat(x)
         pointwise_in_lon = DomainParallelConv2d(nn.Conv2d(1, 1, (3, 1), padding=(1, 0)).double(), -2, manager)
         assert pointwise_in_lon(x).shape == (1, 1, 4, 4)
+
+
+def padded_tile_of(full, manager, halo):
+    """This rank's tile of ``full`` zero-padded by ``halo`` along both dims, with its halos: what an exchange gives."""
+    (i, j), (dl, dn) = manager.domain_coords, manager.domain_shape
+    lat, lon = balanced_split(full.shape[-2], dl), balanced_split(full.shape[-1], dn)
+    padded = torch.nn.functional.pad(full, (halo, halo, halo, halo))
+    return padded[..., lat[1][i]:lat[1][i] + lat[0][i] + 2 * halo, lon[1][j]:lon[1][j] + lon[0][j] + 2 * halo]
+
+
+def test_halo_exchange_layer_defaults_to_the_managers_dims(world):
+    """HaloExchange with no dim pads along the manager's shard_dims: both on tiles (2 x 2 among them), -2 on latitude."""
+    full = torch.arange(2 * 6 * 8, dtype=torch.float64).reshape(1, 2, 6, 8) + 1
+    problems = []
+    for shape in layouts(world.size):
+        with DomainParallelManager(world.size, shape, (-2, -1)) as manager:
+            x = tile_of(full, manager).clone().requires_grad_()
+            out = HaloExchange((1, 1), manager=manager)(x)
+            if not torch.equal(out.detach(), padded_tile_of(full, manager, 1)):
+                problems.append(f"{shape}: the padded tile differs from the zero-padded field's")
+            out.sum().backward()  # each ghost cell's gradient returns to its owner: none lost, none made up
+            given = manager.domain_comm.allreduce(float(x.grad.sum()))
+            wanted = manager.domain_comm.allreduce(float(padded_tile_of(torch.ones_like(full), manager, 1).sum()))
+            if given != wanted:
+                problems.append(f"{shape}: the input gradients sum to {given}, not {wanted}")
+    with DomainParallelManager(world.size, world.size, -2) as manager:  # a latitude manager, CREDIT's default
+        lat = balanced_split(6, world.size)
+        rank = manager.domain_rank
+        out = HaloExchange(1, manager=manager)(full[..., lat[1][rank]:lat[1][rank] + lat[0][rank], :])
+        expected = torch.nn.functional.pad(full, (0, 0, 1, 1))[..., lat[1][rank]:lat[1][rank] + lat[0][rank] + 2, :]
+        if not torch.equal(out, expected):
+            problems.append(f"latitude manager: HaloExchange(1) gave shape {tuple(out.shape)}, not the rows along -2")
+    assert not problems, problems

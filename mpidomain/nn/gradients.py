@@ -151,7 +151,7 @@ def _reduce_bucket(grads, op, comm, staging):
     MPI = mpi()
     datatype = devices.mpi_datatype(flat)
     way = transport.transport_for(flat)
-    if way.name == "staged" and (staging is None or staging.size < flat.numel()
+    if way.stages and (staging is None or staging.size < flat.numel()
                                  or staging.dtype != devices.numpy_dtype(flat)):
         staging = way.staging(flat)  # kept for the next bucket: pinned memory is slow to allocate
     with way.in_place(flat, None if staging is None else staging[:flat.numel()]) as memory:

@@ -14,29 +14,9 @@ wraps around the domain group's ends.
 
 import torch
 
-from ..halo import cached_plan
+from ..halo import halo_exchange
 
 __all__ = ["HaloExchange"]
-
-
-class _HaloExchangeFunction(torch.autograd.Function):
-    """Pad with the neighbours' rows; backward sends ghost-row gradients back to their owners."""
-
-    @staticmethod
-    def forward(ctx, x, halo_width, dim, periodic, boundary, manager, call):
-        plan = cached_plan(x, halo_width, dim, periodic=periodic, boundary=boundary, manager=manager, call=call)
-        ctx.plan_arguments = (halo_width, dim, periodic, boundary, plan.manager, plan.layout.interior)
-        return plan.pad(x)
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad):
-        halo_width, dim, periodic, boundary, manager, interior = ctx.plan_arguments
-        # The plan is found again (it may have left halo_exchange's cache since the forward)
-        # from a view with the unpadded shard's shape, dtype and device.
-        plan = cached_plan(grad[interior], halo_width, dim, periodic=periodic, boundary=boundary, manager=manager,
-                           call="adjoint")
-        return plan.adjoint(grad), None, None, None, None, None, None
 
 
 class HaloExchange(torch.nn.Module):
@@ -53,13 +33,14 @@ class HaloExchange(torch.nn.Module):
     mirrored fold rows included.
 
     :param halo_width: Ghost rows on each side (or one per dim).
-    :param dim: Sharded dimension (-2 is latitude in (B, C, H, W)), a tuple of dims, or None: the manager's.
+    :param dim: A dim (-2 is latitude in (B, C, H, W)), a tuple of dims, or None (default): the manager's
+        ``shard_dims`` (-2 on a latitude manager, as CREDIT's layer; both on tiles; ``(-2, -1)`` with the Earth).
     :param periodic: Wrap around the ends of the domain group (e.g. longitude); or one per dim.
     :param boundary: ``None`` or ``"earth"``: longitude periodic and the fold across the poles.
     :param manager: Default: the global manager from ``initialize_domain_parallel``.
     """
 
-    def __init__(self, halo_width, dim=-2, periodic=False, *, boundary=None, manager=None):
+    def __init__(self, halo_width, dim=None, periodic=False, *, boundary=None, manager=None):
         super().__init__()
         self.halo_width = halo_width
         self.dim = dim
@@ -69,10 +50,8 @@ class HaloExchange(torch.nn.Module):
 
     def forward(self, x):
         """Return ``x`` padded with its neighbours' rows (see the class docstring)."""
-        # Every rank must agree whether a backward will follow: the agreement step checks it.
-        call = "pad+grad" if torch.is_grad_enabled() and getattr(x, "requires_grad", False) else "pad"
-        return _HaloExchangeFunction.apply(x, self.halo_width, self.dim, self.periodic, self.boundary, self.manager,
-                                           call)
+        return halo_exchange(x, self.halo_width, self.dim, periodic=self.periodic, boundary=self.boundary,
+                             manager=self.manager)
 
     @staticmethod
     def trim(x, halo_before, halo_after, dim=-2):

@@ -1,0 +1,105 @@
+"""The package's imports form no cycle: a lower module never reaches up, not even inside a function.
+
+Local (parses the source with ast, imports nothing), so every rank checks alike.
+"""
+
+import ast
+import pathlib
+
+import mpidomain
+
+ROOT = pathlib.Path(mpidomain.__file__).parent
+
+
+def _modules():
+    """Return {dotted module name: path} for every module of the package."""
+    modules = {}
+    for path in ROOT.rglob("*.py"):
+        parts = ("mpidomain",) + path.relative_to(ROOT).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        modules[".".join(parts)] = path
+    return modules
+
+
+def import_graph():
+    """Return {module: {imported module: first line}} over every import statement, at any depth.
+
+    ``from . import x`` where ``x`` is a submodule counts as importing ``x``
+    (not the package); the parent packages Python runs on the way are not
+    counted (every module would then depend on ``mpidomain/__init__.py``).
+    """
+    modules = _modules()
+    graph = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        edges = graph.setdefault(name, {})
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            targets = []
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".")[:len(package.split(".")) - node.level + 1]
+                    source = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    source = node.module or ""
+                for alias in node.names:
+                    submodule = f"{source}.{alias.name}"
+                    targets.append(submodule if submodule in modules else source)
+            for target in targets:
+                if target in modules and target != name:
+                    edges.setdefault(target, node.lineno)
+    return graph
+
+
+def cycles(graph):
+    """Return the import cycles of ``graph``: each strongly connected component of more than one module."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(node):
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in graph.get(node, ()):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_the_graph_sees_imports_inside_functions():
+    graph = import_graph()
+    assert "mpidomain.demo" in graph["mpidomain.__main__"]  # imported inside a function only
+
+
+def test_cycle_finder_finds_a_cycle():
+    assert cycles({"a": {"b": 1}, "b": {"c": 1}, "c": {"a": 1}, "d": {"a": 1}}) == [["a", "b", "c"]]
+
+
+def test_no_import_cycles():
+    graph = import_graph()
+    found = cycles(graph)
+    lines = []
+    for component in found:
+        members = set(component)
+        for module in component:
+            lines += [f"{module} -> {target} (line {line})"
+                      for target, line in sorted(graph[module].items()) if target in members]
+    assert not found, "import cycles in the package:\n  " + "\n  ".join(lines)
