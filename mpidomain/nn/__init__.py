@@ -7,6 +7,7 @@ backward; :func:`convert_to_domain_parallel` puts them into a model.
 from .conv import (DomainParallelConv2d, DomainParallelConv3d, DomainParallelConvTranspose2d,
                    DomainParallelConvTranspose3d, DomainParallelPeriodicConv2d)
 from .convert import convert_to_domain_parallel
+from .earth_padding import DomainParallelTensorPadding
 from .gradients import allreduce_gradients
 from .halo import HaloExchange
 from .interpolate import DomainParallelInterpolate
@@ -22,5 +23,6 @@ __all__ = [
     "DomainParallelPeriodicConv2d",
     "DomainParallelGroupNorm",
     "DomainParallelInterpolate",
+    "DomainParallelTensorPadding",
     "convert_to_domain_parallel",
 ]

@@ -15,6 +15,9 @@ CREDIT's rules (``credit.domain_parallel.convert``), made exact:
 - ``GroupNorm`` becomes :class:`DomainParallelGroupNorm`, ``Upsample`` becomes
   :class:`DomainParallelInterpolate`; ``LayerNorm``, pointwise layers and
   everything else are local and stay;
+- a CREDIT ``TensorPadding`` held as an attribute becomes a
+  :class:`DomainParallelTensorPadding` (:mod:`mpidomain.nn.padded_models`), and a
+  CrossFormer's final ``F.interpolate``, the identity, is switched off;
 - an ``nn.ZeroPad2d`` directly before an unpadded ``Conv2d`` in an
   ``nn.Sequential`` (CREDIT's CrossEmbed branch) keeps its longitude padding;
   its latitude padding becomes the wrapped convolution's.
@@ -28,6 +31,8 @@ import torch
 from .._validate import require_manager
 from ..manager import get_domain_parallel_manager
 from ._shard import Wrapper, shard_dims
+from .earth_padding import DomainParallelTensorPadding
+from .padded_models import convert_padded_models
 from .conv import (DomainParallelConv2d, DomainParallelConv3d, DomainParallelConvTranspose2d,
                    DomainParallelConvTranspose3d, conv_padding)
 from .interpolate import DomainParallelInterpolate
@@ -135,6 +140,7 @@ def convert_to_domain_parallel(model, manager=None, shard_dim=None, custom_conve
     root = convert(model)
     if root is not None:
         return root
+    convert_padded_models(model, manager)
     _convert_children(model, convert, shard_dim, manager)
     return model
 
@@ -154,7 +160,7 @@ def _convert_children(parent, convert, shard_dim, manager):
                 parent._modules[name], parent._modules[names[index + 1]] = pair
                 index += 2
                 continue
-        if isinstance(child, (Wrapper, DomainParallelInterpolate)):  # converted already
+        if isinstance(child, (Wrapper, DomainParallelInterpolate, DomainParallelTensorPadding)):  # converted already
             index += 1
             continue
         replacement = convert(child)
