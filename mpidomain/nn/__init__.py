@@ -11,6 +11,7 @@ from .earth_padding import DomainParallelTensorPadding
 from .gradients import allreduce_gradients
 from .halo import HaloExchange
 from .interpolate import DomainParallelInterpolate
+from .memory import SavedActivations
 from .norm import DomainParallelGroupNorm
 
 __all__ = [
@@ -25,4 +26,5 @@ __all__ = [
     "DomainParallelInterpolate",
     "DomainParallelTensorPadding",
     "convert_to_domain_parallel",
+    "SavedActivations",
 ]
