@@ -81,10 +81,10 @@ def step(model, x):
 def differences(y, want, model, reference):
     """(max |dy|, relative, max |dgrad|, relative) against the one-process model."""
     dy = (y - want).abs().max().item() if y.shape == want.shape else float("inf")
-    dg, gmax = 0.0, 0.0
+    dg, gmax = 0.0, 0.0  # relative to the model's largest |gradient| (some are zero up to round-off)
     for mine, theirs in zip(model.parameters(), reference.parameters()):
         if theirs.grad is not None:
-            dg = max(dg, (mine.grad - theirs.grad).abs().max().item())
+            dg = max(dg, (mine.grad - theirs.grad).abs().max().item() if mine.grad is not None else float("inf"))
             gmax = max(gmax, theirs.grad.abs().max().item())
     return dy, dy / want.abs().max().item(), dg, dg / max(gmax, 1e-300)
 
