@@ -34,7 +34,7 @@ def crossformer():
     if "credit.postblock.gen1" not in sys.modules:
         try:
             importlib.import_module("credit.postblock.gen1")
-        except ImportError as error:
+        except (ImportError, RuntimeError) as error:  # RuntimeError: a CUDA torchvision beside CPU torch
             sys.modules["credit.postblock.gen1"] = _post_block_placeholder(error)
     return importlib.import_module("credit.models.wxformer.crossformer")
 
