@@ -15,7 +15,7 @@ import math
 
 from .earth_padding import DomainParallelTensorPadding, is_tensor_padding
 
-__all__ = ["convert_padded_models", "crossformer_align"]
+__all__ = ["channel_layer_norm_like", "convert_padded_models", "crossformer_align", "plan_padded_models"]
 
 
 def _short_windows(module):
@@ -53,28 +53,50 @@ def _is_crossformer(model):
                                            "patch_width", "layers", "up_block4"))
 
 
-def convert_padded_models(model, manager=None):
-    """Replace ``TensorPadding`` attributes in ``model`` (in place); return [(path, what was done)].
+def channel_layer_norm_like(module):
+    """True for a leaf module shaped like CREDIT's channel ``LayerNorm``: parameters ``g`` and ``b`` of shape
+    (1, C, 1, 1) and a float ``eps``; it normalises each position over channels, so it is local."""
+    params = dict(module.named_parameters(recurse=False))
+    if module._modules or set(params) != {"g", "b"} or not isinstance(getattr(module, "eps", None), float):
+        return False
+    shapes = {tuple(p.shape) for p in params.values()}
+    return len(shapes) == 1 and len(next(iter(shapes))) == 4 and next(iter(shapes))[::2] == (1, 1) \
+        and next(iter(shapes))[3] == 1
 
-    Local; raises ValueError naming the module path where the result could not be exact.
+
+def plan_padded_models(model, manager=None):
+    """Return what :func:`convert_padded_models` would change: [(module, attribute, new value, path, what)].
+
+    Local; changes nothing; raises ValueError naming the module path where the result could not be exact.
     """
-    done = []
-    for path, module in list(model.named_modules()):
-        for name, value in list(vars(module).items()):
+    plan = []
+    for path, module in model.named_modules():
+        for name, value in vars(module).items():
             if not is_tensor_padding(value):
                 continue
             where = f"{path}.{name}" if path else name
             align = crossformer_align(module) if _is_crossformer(module) else None
-            setattr(module, name, DomainParallelTensorPadding.from_tensor_padding(
-                value, align=(align or 1, align or 1), manager=manager))
-            done.append((where, f"TensorPadding(mode={value.mode!r}) -> DomainParallelTensorPadding"
-                                f"(align={align or 1})"))
+            replacement = DomainParallelTensorPadding.from_tensor_padding(value, align=(align or 1, align or 1),
+                                                                          manager=manager)
+            plan.append((module, name, replacement, where, f"TensorPadding(mode={value.mode!r}) -> "
+                                                           f"DomainParallelTensorPadding(align={align or 1})"))
         if _is_crossformer(module) and module.use_interp:
             where = f"{path}.use_interp" if path else "use_interp"
             if module.patch_height != 1 or module.patch_width != 1:
                 raise ValueError(f"{where}: a CrossFormer with patches ({module.patch_height}x{module.patch_width}) "
                                  "interpolates its output with F.interpolate inside forward, which the converter "
                                  "cannot reach; use patch_height=patch_width=1")
-            module.use_interp = False
-            done.append((where, "F.interpolate to (image_height, image_width) is the identity: switched off"))
-    return done
+            plan.append((module, "use_interp", False, where,
+                         "F.interpolate to (image_height, image_width) is the identity: switched off"))
+    return plan
+
+
+def convert_padded_models(model, manager=None):
+    """Replace ``TensorPadding`` attributes in ``model`` (in place); return [(path, what was done)].
+
+    Local; raises ValueError naming the module path where the result could not be exact.
+    """
+    plan = plan_padded_models(model, manager)
+    for module, name, value, _, _ in plan:
+        setattr(module, name, value)
+    return [(path, what) for _, _, _, path, what in plan]
