@@ -11,6 +11,10 @@ Two CrossFormers in float64, CREDIT's test configuration (earth padding, CrossEm
 short and long windows) with the widths and depths shrunk to fit a laptop:
 
 - ``small``: 124 x 56, pad_lat (2, 2), pad_lon (4, 4), local window 2, global windows (4, 2, 2, 1);
+- ``nopad`` and ``nopad-g1``: 128 x 64 without padding, long windows (4, 2, 2, 1), or all 1 (the
+  long-range attention is local too). (CREDIT's converter of miles-credit 2026.2.0 crashes on each of
+  them, as on CrossEmbed kernels (2, 4) or 2 alone everywhere: its CrossEmbed branches come out of
+  different heights, its PixelShuffle decoder's residual sums tensors of different heights.)
 - ``1deg``: 181 x 360, pad_lat (37, 38), pad_lon (76, 76), local window 4, global windows (8, 4, 2, 1).
 
 For each, one training step (forward, loss = mean square, backward) of
@@ -49,6 +53,12 @@ CONFIGS = {
     "small": dict(image_height=124, image_width=56, pad_lat=(2, 2), pad_lon=(4, 4), dim=(4, 8, 16, 32),
                   dim_head=4, local_window_size=2, global_window_size=(4, 2, 2, 1),
                   cross_embed_kernel_sizes=((4, 8), (2, 4), (2, 4), (2, 4))),
+    "nopad": dict(image_height=128, image_width=64, pad_lat=None, pad_lon=None, dim=(4, 8, 16, 32),
+                  dim_head=4, local_window_size=2, global_window_size=(4, 2, 2, 1),
+                  cross_embed_kernel_sizes=((4, 8), (2, 4), (2, 4), (2, 4))),
+    "nopad-g1": dict(image_height=128, image_width=64, pad_lat=None, pad_lon=None, dim=(4, 8, 16, 32),
+                     dim_head=4, local_window_size=2, global_window_size=(1, 1, 1, 1),
+                     cross_embed_kernel_sizes=((4, 8), (2, 4), (2, 4), (2, 4))),
     "1deg": dict(image_height=181, image_width=360, pad_lat=(37, 38), pad_lon=(76, 76), dim=(8, 16, 32, 64),
                  dim_head=8, local_window_size=4, global_window_size=(8, 4, 2, 1),
                  cross_embed_kernel_sizes=((4, 8, 16, 32), (2, 4), (2, 4), (2, 4))),
@@ -64,17 +74,22 @@ def build(config):
     model = module.CrossFormer(frames=1, output_frames=1, channels=2, levels=2, surface_channels=2,
                                input_only_channels=1, depth=(1, 1, 1, 1), cross_embed_strides=(2, 2, 2, 2),
                                use_spectral_norm=True, upsample_with_ps=True, attention_type="scse",
-                               padding_conf=dict(activate=True, mode="earth", pad_lat=list(pad_lat),
-                                                 pad_lon=list(pad_lon)), **c).double()
+                               padding_conf=dict(activate=pad_lat is not None, mode="earth", pad_lat=list(pad_lat or ()),
+                                                 pad_lon=list(pad_lon or ())), **c).double()
     x = torch.randn(1, 7, 1, c["image_height"], c["image_width"], dtype=torch.float64)
     return model, x
 
 
-def step(model, x):
-    """Forward, mean-square loss, backward; return the output (detached)."""
+def output_size(model, x):
+    """Elements of the whole field's output: (B, output channels, H, W)."""
+    return x.shape[0] * model.output_channels * x.shape[-2] * x.shape[-1]
+
+
+def step(model, x, count):
+    """Forward, loss = sum of squares / ``count`` (the whole field's mean square: this rank's share), backward."""
     model.zero_grad(set_to_none=True)
     y = model(x)
-    y.square().mean().backward()
+    (y.square().sum() / count).backward()
     return y.detach()
 
 
@@ -100,7 +115,7 @@ def credit_converter(model, x, want, reference, size):
     try:
         manager = CreditManager(size, size)
         model = credit_convert.convert_to_domain_parallel(model, manager)
-        y = step(model, credit_shard(x, manager=manager))
+        y = step(model, credit_shard(x, manager=manager), want.numel())
         for p in model.parameters():
             if p.grad is not None:
                 dist.all_reduce(p.grad, group=manager.domain_group)
@@ -119,7 +134,7 @@ def ours(model, x, size):
             model(shard)
         WORLD.Barrier()
         start = time.perf_counter()
-        y = step(model, shard)
+        y = step(model, shard, output_size(model, x))
         seconds = time.perf_counter() - start
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         allreduce_gradients(model, manager=manager, group="domain", op="sum")
@@ -144,7 +159,7 @@ def main():
         whole_bytes = saved.nbytes
         WORLD.Barrier()
         start = time.perf_counter()
-        want = step(reference, x)
+        want = step(reference, x, output_size(reference, x))
         whole_seconds = time.perf_counter() - start
         ours_result = differences(y, want, converted, reference)
         credit_result = (None, "skipped") if args.skip_credit else credit_converter(copy.deepcopy(model), x, want,

@@ -6,7 +6,8 @@ then calls ``F.interpolate(x, size=(image_height, image_width))``, which a
 converter cannot reach. :func:`convert_padded_models` replaces every such
 attribute by a :class:`DomainParallelTensorPadding` whose blocks start where the
 model's strides and short windows need them, and switches CrossFormer's
-interpolation off where it is the identity (the decoder gives back the padded
+interpolation off where it is the identity; a CrossFormer without padding
+gets one of width 0, so that its rows are dealt out in the same aligned blocks (the decoder gives back the padded
 size, so after ``unpad`` the field already has ``(image_height, image_width)``:
 bilinear with ``align_corners=False`` at scale 1 returns its input bit for bit).
 """
@@ -80,6 +81,16 @@ def plan_padded_models(model, manager=None):
                                                                           manager=manager)
             plan.append((module, name, replacement, where, f"TensorPadding(mode={value.mode!r}) -> "
                                                            f"DomainParallelTensorPadding(align={align or 1})"))
+        if _is_crossformer(module) and not getattr(module, "use_padding", True):
+            # No padding: a zero-width one still deals the rows out in aligned blocks, and back.
+            align = crossformer_align(module) or 1
+            where = f"{path}.padding_opt" if path else "padding_opt"
+            plan.append((module, "padding_opt", DomainParallelTensorPadding("earth", (0, 0), (0, 0), align=(align, align),
+                                                                            manager=manager),
+                         where, f"no padding -> DomainParallelTensorPadding of width 0 (align={align}): the rows "
+                                "dealt out in aligned blocks"))
+            plan.append((module, "use_padding", True, f"{path}.use_padding" if path else "use_padding",
+                         "switched on for the zero-width padding"))
         if _is_crossformer(module) and module.use_interp:
             where = f"{path}.use_interp" if path else "use_interp"
             if module.patch_height != 1 or module.patch_width != 1:
