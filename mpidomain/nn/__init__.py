@@ -11,6 +11,8 @@ from .gradients import allreduce_gradients
 from .halo import HaloExchange
 from .interpolate import DomainParallelInterpolate
 from .norm import DomainParallelGroupNorm
+from .redistribution import Redistribute
+from .window_attention import DomainParallelWindowAttention, WindowAttentionSpec, window_attention_spec
 
 __all__ = [
     "HaloExchange",
@@ -22,5 +24,9 @@ __all__ = [
     "DomainParallelPeriodicConv2d",
     "DomainParallelGroupNorm",
     "DomainParallelInterpolate",
+    "DomainParallelWindowAttention",
+    "Redistribute",
+    "WindowAttentionSpec",
+    "window_attention_spec",
     "convert_to_domain_parallel",
 ]
