@@ -47,6 +47,9 @@ def _describe(x, move, dim, manager):
         raise TypeError(f"move must be a mpidomain.redistribution_layout.RowMove, got {type(move).__name__}; "
                         "make one with window_move or RowMove(source, target)")
     spec = devices.array_spec(x)
+    if isinstance(dim, (tuple, list)):
+        raise ValueError(f"redistribute moves rows along one dim at a time, got dim={dim!r}; with tiles call it "
+                         "once per dim, e.g. dim=-2 then dim=-1")
     if getattr(x, "requires_grad", False) is True:
         raise TypeError("redistribute is not differentiable; for a tensor that requires grad use "
                         "mpidomain.nn.Redistribute (its backward moves the gradient back), or pass x.detach()")
@@ -67,7 +70,10 @@ def _describe(x, move, dim, manager):
                          f"this rank (rank {rank} of the {group} group) {move.source.extents[rank]}; pass the "
                          "shard the move was made for")
     others = tuple(None if i in sharded else n for i, n in enumerate(shape))
-    return (digest(move), dim, spec, others), group
+    return (_code(move), dim, spec, others), group
+
+
+_code = functools.lru_cache(maxsize=256)(digest)  # a move's digest, once per move (hashing it is cheap)
 
 
 def redistribute(x, move, dim=None, *, manager=None):
@@ -93,8 +99,7 @@ def redistribute(x, move, dim=None, *, manager=None):
     domain = library_comm(manager)
     description, group, error = None, None, None
     try:
-        description, group = _describe(x, move, manager.shard_dim if dim is None and len(manager.shard_dims) == 1
-                                       else dim, manager)
+        description, group = _describe(x, move, manager.shard_dim if dim is None else dim, manager)
     except (TypeError, ValueError) as exc:
         error = exc
     agree(domain, "redistribute", description, error=error)

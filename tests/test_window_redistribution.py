@@ -222,3 +222,18 @@ def test_worlds_of_three_and_five_ranks(world, size):
         result = (job.returncode, job.stdout[-2000:] + job.stderr[-2000:])
     returncode, output = share(world, result)
     assert returncode == 0, output
+
+
+def test_device_paths_move_the_same_rows(world, fake_device_path):
+    """The staged and direct (CUDA-aware) transports, driven with host tensors, give the reference rows."""
+    shape = (2, 3, 14, 6)
+    full = torch.from_numpy(np.random.default_rng(2).standard_normal(shape))
+    problems = []
+    with DomainParallelManager(world.size, world.size) as manager:
+        moves = moves_for(manager, shape, "long", 2)
+        y = shard_of(full, manager).contiguous()
+        for dim, move in moves:
+            y = redistribute(y, move, dim, manager=manager)
+        if not torch.equal(y, target_of(full, manager, moves)):
+            problems.append(f"{fake_device_path}: rows differ")
+    assert not problems, problems
