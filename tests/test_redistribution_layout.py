@@ -103,3 +103,39 @@ def test_target_layouts_are_balanced_in_whole_windows():
 def test_a_layout_that_cannot_work_says_why(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+def attention_windows(field, kind, window):
+    """A window-local operation on a 2-D field, with the rearranges of CREDIT's attention (cumsum in each window)."""
+    einops = pytest.importorskip("einops")
+    if not field.size:
+        return field
+    h, w = field.shape[0] // window, field.shape[1] // window
+    if kind == "short":
+        pattern, sizes = "(h s1) (w s2) -> (h w) (s1 s2)", {"s1": window, "s2": window}
+        back = "(h w) (s1 s2) -> (h s1) (w s2)"
+    else:
+        pattern, sizes = "(l1 h) (l2 w) -> (h w) (l1 l2)", {"l1": window, "l2": window}
+        back = "(h w) (l1 l2) -> (l1 h) (l2 w)"
+    windows = np.cumsum(einops.rearrange(field, pattern, **sizes), axis=1)
+    return einops.rearrange(windows, back, h=h, w=w, **sizes)
+
+
+@pytest.mark.parametrize("kind", ["short", "long"])
+def test_tiles_hold_whole_windows_of_credits_rearrange(kind):
+    """On tiles (lat moved within each column, lon within each band), every tile's windows are the whole field's."""
+    problems = []
+    for grid in [(2, 2), (1, 3), (3, 2), (2, 1)]:
+        for window, (rows, cols) in [(2, (10, 8)), (3, (9, 12)), (4, (8, 16))]:
+            field = np.arange(rows * cols, dtype=np.float64).reshape(rows, cols) % 7 + 1
+            reference = attention_windows(field, kind, window)
+            for lat in compositions(rows, grid[0], most=4) + [balanced_split(rows, grid[0])[0]]:
+                for lon in compositions(cols, grid[1], most=4) + [balanced_split(cols, grid[1])[0]]:
+                    lat_move, lon_move = window_move(kind, lat, window), window_move(kind, lon, window)
+                    result = np.full_like(field, np.nan)
+                    for i, j in itertools.product(range(grid[0]), range(grid[1])):
+                        mine = np.ix_(lat_move.target.rows_of(i), lon_move.target.rows_of(j))
+                        result[mine] = attention_windows(field[mine], kind, window)
+                    if not np.array_equal(result, reference):
+                        problems.append(f"{kind} {grid} w={window} lat {lat} lon {lon}")
+    assert not problems, problems[:5]
