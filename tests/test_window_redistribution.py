@@ -124,7 +124,10 @@ def attention_twins(kind, window, dim=16):
 
 
 def relative(a, b):
+    """max |a - b| / max |b| (0 for empty shards: a rank of more ranks than rows holds none)."""
     a, b = a.detach(), b.detach()
+    if not b.numel():
+        return 0.0
     return float((a - b).abs().max() / max(float(b.abs().max()), 1e-300))
 
 

@@ -24,7 +24,7 @@ from .._validate import is_int
 from ..manager import library_comm
 from ..redistribution_layout import WINDOW_KINDS, window_move
 from ._shard import Wrapper, layer_extents, place, shard_dims
-from .redistribution import _RedistributeFunction
+from .redistribution import Redistribute
 
 __all__ = ["DomainParallelWindowAttention", "WindowAttentionSpec", "window_attention_spec"]
 
@@ -142,10 +142,10 @@ class DomainParallelWindowAttention(Wrapper):
         if error is not None:  # the same on every rank (the extents were gathered), settled before raising
             agree(library_comm(manager), _NAME + " layout", None, error=error)
         for dim, move in moves:
-            x = _RedistributeFunction.apply(x, move, dim, manager)
+            x = Redistribute(move, dim, manager)(x)
         y = self._run(x)
         for dim, move in reversed(moves):
-            y = _RedistributeFunction.apply(y, move.inverse, dim, manager)
+            y = Redistribute(move.inverse, dim, manager)(y)
         return y
 
     def _run(self, x):
