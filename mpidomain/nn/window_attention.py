@@ -69,9 +69,10 @@ class DomainParallelWindowAttention(Wrapper):
     (blocks of whole windows for ``"short"``; whole long-range groups, ``l1``-major,
     for ``"long"``: :mod:`mpidomain.redistribution_layout`), the wrapped module's
     own forward runs on them, and the output rows return to their owners
-    (one all-to-all per sharded dim each way). A rank dealt no window (more ranks
-    than windows along a dim) runs the module on an empty batch, so its parameter
-    gradients are zeros, not None. Parameter gradients are this rank's share:
+    (one all-to-all per sharded dim each way; none along a dim whose shards
+    already hold whole windows in order, e.g. short windows on aligned shards).
+    A rank dealt no window (more ranks than windows along a dim) runs the module
+    on an empty batch, so its parameter gradients are zeros, not None. Parameter gradients are this rank's share:
     sum them over the domain group (``allreduce_gradients(..., group="domain",
     op="sum")``) for the single-process gradients. The state_dict keys are the
     module's own. Dropout inside the module draws other masks than one process.
@@ -135,10 +136,12 @@ class DomainParallelWindowAttention(Wrapper):
                 continue
             extents, _ = layer_extents(manager, _NAME, x, dim, settings)
             try:
-                moves.append((dim, window_move(self.kind, tuple(extents), self.window_size)))
+                move = window_move(self.kind, tuple(extents), self.window_size)
             except ValueError as exc:
                 error = ValueError(f"{_NAME} along dim {dim - 4} (extents {tuple(extents)}): {exc}")
                 break
+            if move.source != move.target:  # shards of whole windows already (alike on every rank): nothing moves
+                moves.append((dim, move))
         if error is not None:  # the same on every rank (the extents were gathered), settled before raising
             agree(library_comm(manager), _NAME + " layout", None, error=error)
         for dim, move in moves:
