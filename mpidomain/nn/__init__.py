@@ -13,6 +13,8 @@ from .halo import HaloExchange
 from .interpolate import DomainParallelInterpolate
 from .memory import SavedActivations
 from .norm import DomainParallelGroupNorm
+from .redistribution import Redistribute
+from .window_attention import DomainParallelWindowAttention, WindowAttentionSpec, window_attention_spec
 
 __all__ = [
     "HaloExchange",
@@ -25,6 +27,10 @@ __all__ = [
     "DomainParallelGroupNorm",
     "DomainParallelInterpolate",
     "DomainParallelTensorPadding",
+    "DomainParallelWindowAttention",
+    "Redistribute",
+    "WindowAttentionSpec",
+    "window_attention_spec",
     "convert_to_domain_parallel",
     "SavedActivations",
 ]
