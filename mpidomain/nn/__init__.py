@@ -11,6 +11,8 @@ from .gradients import allreduce_gradients
 from .halo import HaloExchange
 from .interpolate import DomainParallelInterpolate
 from .norm import DomainParallelGroupNorm
+from .pool import (DomainParallelAdaptiveAvgPool2d, DomainParallelAdaptiveMaxPool2d, DomainParallelAvgPool2d,
+                   DomainParallelMaxPool2d)
 
 __all__ = [
     "HaloExchange",
@@ -22,5 +24,9 @@ __all__ = [
     "DomainParallelPeriodicConv2d",
     "DomainParallelGroupNorm",
     "DomainParallelInterpolate",
+    "DomainParallelMaxPool2d",
+    "DomainParallelAvgPool2d",
+    "DomainParallelAdaptiveAvgPool2d",
+    "DomainParallelAdaptiveMaxPool2d",
     "convert_to_domain_parallel",
 ]
