@@ -6,13 +6,15 @@ backward; :func:`convert_to_domain_parallel` puts them into a model.
 
 from .conv import (DomainParallelConv2d, DomainParallelConv3d, DomainParallelConvTranspose2d,
                    DomainParallelConvTranspose3d, DomainParallelPeriodicConv2d)
-from .convert import convert_to_domain_parallel
+from .blocks import DomainParallelCoordinateAttention
+from .convert import ConversionReport, convert_to_domain_parallel
 from .gradients import allreduce_gradients
 from .halo import HaloExchange
 from .interpolate import DomainParallelInterpolate
-from .norm import DomainParallelGroupNorm
+from .norm import DomainParallelBatchNorm, DomainParallelGroupNorm
 from .pool import (DomainParallelAdaptiveAvgPool2d, DomainParallelAdaptiveMaxPool2d, DomainParallelAvgPool2d,
                    DomainParallelMaxPool2d)
+from .shuffle import DomainParallelPixelUnshuffle
 
 __all__ = [
     "HaloExchange",
@@ -23,10 +25,14 @@ __all__ = [
     "DomainParallelConvTranspose3d",
     "DomainParallelPeriodicConv2d",
     "DomainParallelGroupNorm",
+    "DomainParallelBatchNorm",
     "DomainParallelInterpolate",
     "DomainParallelMaxPool2d",
     "DomainParallelAvgPool2d",
     "DomainParallelAdaptiveAvgPool2d",
     "DomainParallelAdaptiveMaxPool2d",
+    "DomainParallelPixelUnshuffle",
+    "DomainParallelCoordinateAttention",
+    "ConversionReport",
     "convert_to_domain_parallel",
 ]
