@@ -238,3 +238,25 @@ def test_credit_attention_blocks_equal_one_process(world, name):
             parallel = convert_to_domain_parallel(copy.deepcopy(single), manager)
             problems += [f"{tiling}: {p}" for p in compare_tiles(manager, single, parallel, (2, 3, 13, 18))]
     assert not problems, "\n".join(problems)
+
+
+def test_pixel_unshuffle_needs_whole_blocks_on_every_rank(world):
+    """PixelUnshuffle(2) is exact on shards of even rows; an odd shard raises the same error on every rank."""
+    problems, messages = [], []
+    for D in divisors(world.size):
+        with DomainParallelManager(world.size, D) as manager:
+            torch.manual_seed(9)
+            single = nn.Sequential(nn.Conv2d(2, 2, 3, padding=1), nn.PixelUnshuffle(2),
+                                   nn.Conv2d(8, 2, 3, padding=1)).double()
+            parallel = convert_to_domain_parallel(copy.deepcopy(single), manager)
+            shape = (1, 2, 6 * D, 8)
+            problems += [f"D={D}: {p}" for p in compare(manager, single, parallel, shape, counts_for(6 * D, D))]
+            if D > 1:
+                try:
+                    parallel(torch.zeros(1, 2, 7 if manager.domain_rank == 0 else 6, 8, dtype=torch.float64))
+                    messages.append(None)
+                except ValueError as error:
+                    messages.append(str(error))
+    assert not problems, problems
+    assert all(m is not None and "a shard holds 7 rows along dim 2, not a multiple of 2" in m for m in messages)
+    assert len({tuple(m) for m in world.allgather(messages)}) == 1
