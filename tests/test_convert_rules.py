@@ -30,6 +30,13 @@ class ChannelNorm(nn.Module):
         return self.norm(x.movedim(1, -1)).movedim(-1, 1)
 
 
+class MyConv(nn.Conv2d):
+    """A Conv2d subclass with its own forward: the Conv2d rule does not apply to it."""
+
+    def forward(self, x):
+        return super().forward(x.flip(-2))
+
+
 class Shift(nn.Module):
     """A user layer with no children whose forward mixes rows: the converter cannot see it."""
 
@@ -69,6 +76,7 @@ def refused_model():
         nn.Softmax(dim=-2),
         nn.MaxPool3d(2),
         nn.ReflectionPad2d(1),
+        MyConv(4, 4, 3),
     )
 
 
@@ -80,7 +88,8 @@ def test_refusal_names_every_path_and_is_the_same_on_every_rank(world):
     for expected in ("1.1 (Dropout2d: drops whole channels", "2 (Shift: not known to be local",
                      "3 (LayerNorm: normalises over its last 2 dims", "4 (Softmax: works along dim=-2",
                      "5 (MaxPool3d: not known to be local", "6 (ReflectionPad2d: pads a sharded dim",
-                     "cannot make 6 module(s) exact", "allow_local=(...)"):
+                     "7 (MyConv: a subclass of torch.nn.Conv2d with its own forward",
+                     "cannot make 7 module(s) exact", "allow_local=(...)"):
         assert expected in message, message
     assert type(model[0]) is nn.Conv2d  # refused before anything changed
     messages = world.allgather(message)
@@ -88,7 +97,7 @@ def test_refusal_names_every_path_and_is_the_same_on_every_rank(world):
 
 
 def test_allow_local_by_path_and_type_and_typos():
-    allowed = ("1.1", Shift, "3", "4", nn.MaxPool3d, "6")
+    allowed = ("1.1", Shift, "3", "4", nn.MaxPool3d, "6", MyConv)
     model, report = convert_to_domain_parallel(refused_model(), allow_local=allowed, report=True)
     assert type(model[0]) is DomainParallelConv2d and type(model[2]) is Shift
     assert dict(report.local)["1.1"] == "allow_local" and dict(report.local)["2"] == "allow_local"

@@ -26,8 +26,9 @@ Every module is decided, in this order (the first rule that applies):
    it stays, reported as "its own forward is not seen": functional calls there
    (``F.interpolate``, ``F.avg_pool2d``, ``x.mean(-2)``) cannot be converted;
    use the module forms (``nn.Upsample``, ``nn.AvgPool2d``, ``nn.AdaptiveAvgPool2d``);
-8. any other leaf module (no children: an unknown torch layer, or a user layer
-   whose forward the converter cannot see) is refused.
+8. any other leaf module (no children: an unknown torch layer, a user layer, or
+   a subclass of a torch layer with its own forward, whose forward the
+   converter cannot see) is refused.
 
 Refused modules raise one ValueError naming every path and why. The decision
 is local and deterministic (no communication): every rank converts the same
@@ -157,8 +158,23 @@ def _softmax_local(dim, shard_dim):
     return dim in (0, 1) or (dim < 0 and dim not in shard_dims(shard_dim))
 
 
+def _torch_base(module):
+    """The first class in ``module``'s MRO that torch.nn defines (``nn.Module`` for a user module)."""
+    for cls in type(module).__mro__:
+        if cls.__module__.startswith("torch.nn.modules"):
+            return cls
+    return nn.Module
+
+
 def _decide(module, shard_dim, manager):
     """Return ("convert", replacement), ("local", reason), ("refuse", reason) or ("visit", reason or None)."""
+    base = _torch_base(module)
+    if base is not nn.Module and getattr(type(module), "forward") is not getattr(base, "forward"):
+        # A subclass of a torch layer with its own forward: the torch layer's rule says nothing about it.
+        if any(child is not None for child in module._modules.values()):
+            return "visit", LOCAL_REASONS["forward unseen"]
+        return "refuse", (f"a subclass of torch.nn.{base.__name__} with its own forward, which the converter cannot "
+                          f"see (the rule for {base.__name__} does not apply)")
     for base, wrapper in _CONVS.items():
         if isinstance(module, base):
             if _local_along(_local_conv, module, shard_dim):
