@@ -204,21 +204,29 @@ def test_batch_norm_trains_on_the_whole_field(world):
     assert not problems, problems
 
 
-credit_attention = pytest.importorskip("credit.models.unet_attention_modules")
-
-BLOCKS = {
-    "scse_optimized": lambda: credit_attention.SCSEAttention(16, 4, use_depthwise=True),
-    "scse_standard": lambda: credit_attention.SCSEAttention(16, 4, use_depthwise=False),
-    "eca": lambda: credit_attention.ECABlock(16),
-    "coordinate": lambda: credit_attention.CoordinateAttention(16, 4),
-    "spatial": lambda: credit_attention.LightSpatialAttention(5),
-    "mixed": lambda: credit_attention.EfficientMixedAttention(16, 4, 5),
+BLOCKS = {  # CREDIT's credit/models/unet_attention_modules.py (it imports torch only)
+    "scse_optimized": lambda a: a.SCSEAttention(16, 4, use_depthwise=True),
+    "scse_standard": lambda a: a.SCSEAttention(16, 4, use_depthwise=False),
+    "eca": lambda a: a.ECABlock(16),
+    "coordinate": lambda a: a.CoordinateAttention(16, 4),
+    "spatial": lambda a: a.LightSpatialAttention(5),
+    "mixed": lambda a: a.EfficientMixedAttention(16, 4, 5),
+}
+# What the report must say about each block (at path "1" in the test model).
+EXPECTED = {
+    "scse_optimized": ("1.cse.0", "AdaptiveAvgPool2d -> DomainParallelAdaptiveAvgPool2d"),
+    "scse_standard": ("1.cse.0", "AdaptiveAvgPool2d -> DomainParallelAdaptiveAvgPool2d"),
+    "eca": ("1.avg_pool", "AdaptiveAvgPool2d -> DomainParallelAdaptiveAvgPool2d"),
+    "coordinate": ("1", "CoordinateAttention -> DomainParallelCoordinateAttention (a coordinate-attention block)"),
+    "spatial": ("1.conv", "Conv2d -> DomainParallelConv2d"),
+    "mixed": ("1.channel_attention.avg_pool", "AdaptiveAvgPool2d -> DomainParallelAdaptiveAvgPool2d"),
 }
 
 
 def credit_block(name):
+    attention = pytest.importorskip("credit.models.unet_attention_modules")
     torch.manual_seed(8)
-    block = BLOCKS[name]()
+    block = BLOCKS[name](attention)
     if name == "coordinate":  # conv1's bias goes into a BatchNorm: its gradient is round-off, left out
         block.conv1.bias.requires_grad_(False)
     return nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), block, nn.Conv2d(16, 2, 3, padding=1)).double()
@@ -232,6 +240,10 @@ def test_credit_attention_blocks_equal_one_process(world, name):
         with DomainParallelManager(world.size, D) as manager:
             single = credit_block(name)
             parallel, report = convert_to_domain_parallel(copy.deepcopy(single), manager, report=True)
+            path, what = EXPECTED[name]
+            assert dict(report.converted)[path] == what, report
+            if name in ("eca", "mixed"):
+                assert "an ECA block's Conv1d" in dict(report.local)[path.replace("avg_pool", "conv")]
             if name == "coordinate":
                 assert type(parallel[1]) is DomainParallelCoordinateAttention
             shape = (2, 3, 7 * D + 3, 12)

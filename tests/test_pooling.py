@@ -6,7 +6,7 @@ torch = pytest.importorskip("torch")
 
 from mpidomain import DomainParallelManager  # noqa: E402
 from mpidomain.nn import (DomainParallelAdaptiveAvgPool2d, DomainParallelAdaptiveMaxPool2d,  # noqa: E402
-                          DomainParallelAvgPool2d, DomainParallelMaxPool2d, convert_to_domain_parallel)
+                          DomainParallelAvgPool2d, DomainParallelMaxPool2d)
 from mpitest import divisors  # noqa: E402
 from test_layers import compare, counts_for  # noqa: E402
 from test_tiles_nn import compare as compare_tiles  # noqa: E402

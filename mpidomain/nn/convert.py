@@ -39,7 +39,6 @@ a checkpoint of the model before conversion loads into the converted model and b
 from dataclasses import dataclass
 
 import torch
-from torch.nn.modules.utils import _pair
 
 from .._validate import require_manager
 from ..manager import get_domain_parallel_manager

@@ -257,7 +257,7 @@ class DomainParallelAdaptiveAvgPool2d(_AdaptivePool):
 
 
 class DomainParallelAdaptiveMaxPool2d(_AdaptivePool):
-    """A ``torch.nn.AdaptiveMaxPool2d`` (``return_indices=False``) on a sharded field; as :class:`DomainParallelAdaptiveAvgPool2d`.
+    """A ``torch.nn.AdaptiveMaxPool2d`` on a sharded field; as :class:`DomainParallelAdaptiveAvgPool2d`.
 
     One max all-reduce of the partial maxima; the gradient goes to the rank holding the maximum.
     """

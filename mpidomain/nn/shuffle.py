@@ -31,7 +31,8 @@ class DomainParallelPixelUnshuffle(Wrapper):
 
     def __init__(self, shuffle, shard_dim=-2, manager=None):
         if not isinstance(shuffle, torch.nn.PixelUnshuffle):
-            raise TypeError(f"DomainParallelPixelUnshuffle wraps a torch.nn.PixelUnshuffle, got {type(shuffle).__name__}")
+            raise TypeError(f"DomainParallelPixelUnshuffle wraps a torch.nn.PixelUnshuffle, got "
+                            f"{type(shuffle).__name__}")
         super().__init__(shuffle, shard_dim, manager)
 
     def forward(self, x):
