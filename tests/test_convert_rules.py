@@ -217,7 +217,8 @@ EXPECTED = {
     "scse_optimized": ("1.cse.0", "AdaptiveAvgPool2d -> DomainParallelAdaptiveAvgPool2d"),
     "scse_standard": ("1.cse.0", "AdaptiveAvgPool2d -> DomainParallelAdaptiveAvgPool2d"),
     "eca": ("1.avg_pool", "AdaptiveAvgPool2d -> DomainParallelAdaptiveAvgPool2d"),
-    "coordinate": ("1", "CoordinateAttention -> DomainParallelCoordinateAttention (a coordinate-attention block)"),
+    "coordinate": ("1", "CoordinateAttention -> DomainParallelCoordinateAttention (matched by "
+                        "coordinate_attention_like)"),
     "spatial": ("1.conv", "Conv2d -> DomainParallelConv2d"),
     "mixed": ("1.channel_attention.avg_pool", "AdaptiveAvgPool2d -> DomainParallelAdaptiveAvgPool2d"),
 }

@@ -21,7 +21,8 @@ from ._shard import Wrapper, place, shard_dims, spatial_axis
 from .norm import batch_norm
 from .pool import adaptive_pool
 
-__all__ = ["DomainParallelCoordinateAttention", "eca_like", "coordinate_attention_like"]
+__all__ = ["BLOCK_CONVERTERS", "CHILD_RULES", "DomainParallelCoordinateAttention", "coordinate_attention_like",
+           "eca_like"]
 
 nn = torch.nn
 
@@ -110,3 +111,13 @@ class DomainParallelCoordinateAttention(Wrapper):
         lon, _ = place(manager, x, 3)
         counted = torch.cat([torch.full((h,), float(lon == 0)), torch.full((w,), float(lat == 0))])
         return batch_norm(y, self.block.bn1, manager, counted.to(y.device).view(1, 1, -1, 1))
+
+
+#: ``(matches(module) -> bool, factory(module, shard_dim, manager) -> replacement)``: blocks the converter
+#: replaces whole, tried in order after ``custom_converters`` (the replacement's children are its own).
+BLOCK_CONVERTERS = (
+    (coordinate_attention_like, DomainParallelCoordinateAttention),
+)
+
+#: ``rule(parent) -> {child name: why it stays local} or None``: children a block's structure makes local.
+CHILD_RULES = (eca_like,)

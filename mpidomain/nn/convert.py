@@ -6,8 +6,9 @@ Every module is decided, in this order (the first rule that applies):
    it is, children included: the user vouches that it is local;
 2. ``custom_converters`` (``{type: factory}``, ``isinstance`` in dict order): the
    factory's result; its children are left as the factory made them;
-3. blocks matched by their children (:mod:`mpidomain.nn.blocks`: coordinate
-   attention is replaced; an ECA block's ``Conv1d`` runs on a replicated mean);
+3. blocks matched by their children (:data:`mpidomain.nn.blocks.BLOCK_CONVERTERS`:
+   coordinate attention is replaced; :data:`~mpidomain.nn.blocks.CHILD_RULES`: an
+   ECA block's ``Conv1d`` runs on a replicated mean, so it stays local);
 4. torch layers the library converts: ``Conv2d``/``Conv3d`` (unless each output
    row needs only its own input row: kernel 1, stride 1, no padding along the
    sharded dims), ``ConvTranspose2d``/``3d`` (unless kernel = stride without
@@ -43,7 +44,7 @@ import torch
 from .._validate import require_manager
 from ..manager import get_domain_parallel_manager
 from ._shard import Wrapper, shard_dims
-from .blocks import DomainParallelCoordinateAttention, coordinate_attention_like, eca_like
+from .blocks import BLOCK_CONVERTERS, CHILD_RULES
 from .conv import (DomainParallelConv2d, DomainParallelConv3d, DomainParallelConvTranspose2d,
                    DomainParallelConvTranspose3d, conv_padding)
 from .halo import HaloExchange
@@ -299,11 +300,12 @@ class _Walk:
         if overrides and path.rpartition(".")[2] in overrides:
             self.local.append((path, overrides[path.rpartition(".")[2]]))
             return None
-        if coordinate_attention_like(module):
-            replacement = DomainParallelCoordinateAttention(module, self.shard_dim, self.manager)
-            self.converted.append((path, f"{type(module).__name__} -> DomainParallelCoordinateAttention "
-                                         "(a coordinate-attention block)"))
-            return replacement
+        for matches, factory in BLOCK_CONVERTERS:
+            if matches(module):
+                replacement = factory(module, self.shard_dim, self.manager)
+                self.converted.append((path, f"{type(module).__name__} -> {type(replacement).__name__} "
+                                             f"(matched by {matches.__name__})"))
+                return replacement
         kind, what = _decide(module, self.shard_dim, self.manager)
         if kind == "convert":
             self.converted.append((path, f"{type(module).__name__} -> {type(what).__name__}"))
@@ -320,7 +322,9 @@ class _Walk:
         return None
 
     def children(self, parent, path):
-        overrides = eca_like(parent)
+        overrides = {}
+        for rule in CHILD_RULES:
+            overrides.update(rule(parent) or {})
         names = [name for name, child in parent._modules.items() if child is not None]
         prefix = f"{path}." if path else ""
         index = 0
