@@ -37,6 +37,7 @@ ADAPTIVE = [
     ("adaptive avg (7, 4): overlapping bins", lambda: nn.AdaptiveAvgPool2d((7, 4))),
     ("adaptive max 1", lambda: nn.AdaptiveMaxPool2d(1)),
     ("adaptive max (6, 5)", lambda: nn.AdaptiveMaxPool2d((6, 5))),
+    ("adaptive avg (40, 25): more outputs than rows", lambda: nn.AdaptiveAvgPool2d((40, 25))),
 ]
 
 WRAPPERS = {nn.MaxPool2d: DomainParallelMaxPool2d, nn.AvgPool2d: DomainParallelAvgPool2d,

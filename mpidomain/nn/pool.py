@@ -159,6 +159,13 @@ class DomainParallelAvgPool2d(_WindowPool):
 def _bin_parts(x, dim, bins, own_start, kind):
     """Pool each bin's rows that ``x`` (global rows from ``own_start``) holds along ``dim``: (..., len(bins), ...)."""
     n = x.shape[dim]
+    fill = 0.0 if kind == "avg" else float("-inf")
+    if all(bin_ == (i, i + 1) for i, bin_ in enumerate(bins)):  # a kept dim: each row its own bin
+        shape = list(x.shape)
+        shape[dim] = own_start
+        before = x.new_full(shape, fill)
+        shape[dim] = len(bins) - own_start - n
+        return torch.cat([before, x, x.new_full(shape, fill)], dim)
     parts = []
     for start, stop in bins:
         lo, hi = max(start, own_start), min(stop, own_start + n)
@@ -168,7 +175,7 @@ def _bin_parts(x, dim, bins, own_start, kind):
         else:
             shape = list(x.shape)
             shape[dim] = 1
-            parts.append(x.new_full(shape, 0.0 if kind == "avg" else float("-inf")))
+            parts.append(x.new_full(shape, fill))
     return torch.cat(parts, dim)
 
 
