@@ -201,6 +201,15 @@ def test_batch_norm_trains_on_the_whole_field(world):
             single.zero_grad()
             parallel.zero_grad()
             problems += [f"eval: {p}" for p in compare(manager, single, parallel, shape, counts_for(shape[-2], D))]
+    for tiling in layouts(world.size):
+        with DomainParallelManager(world.size, tiling, (-2, -1)) as manager:
+            torch.manual_seed(6)
+            single = nn.Sequential(nn.Conv2d(2, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4, momentum=None))
+            single = single.double()
+            parallel = convert_to_domain_parallel(copy.deepcopy(single), manager)
+            problems += [f"{tiling}: {p}" for p in compare_tiles(manager, single, parallel, (2, 2, 11, 14))]
+            if float((single[1].running_var - parallel[1].norm.running_var).abs().max()) > 1e-12:
+                problems.append(f"{tiling}: running_var differs")
     assert not problems, problems
 
 
