@@ -148,3 +148,19 @@ def test_pools_on_tiles_equal_one_process(world):
                     found = [f"raised {type(error).__name__}: {error}"]
                 problems += [f"{tiling} {label}: {p}" for p in found]
     assert not problems, "\n".join(problems)
+
+
+def test_a_layout_a_pool_cannot_run_raises_the_same_error_on_every_rank(world):
+    if world.size == 1:
+        pytest.skip("one rank holds the whole field")
+    with DomainParallelManager(world.size, world.size) as manager:
+        pool = DomainParallelMaxPool2d(nn.MaxPool2d(7, stride=2, padding=3), manager=manager)
+        try:
+            pool(torch.zeros(1, 1, 2, 4))  # 2 rows per rank; a window needs 3 of each neighbour
+            message = None
+        except ValueError as error:
+            message = str(error)
+    messages = world.allgather(message)
+    assert messages[0] is not None and len(set(messages)) == 1, messages
+    assert "DomainParallelMaxPool2d(kernel=7, stride=2, dilation=1, padding=3, ceil_mode=False along dim 2) cannot " \
+           "run on shards of [2, 2" in messages[0]

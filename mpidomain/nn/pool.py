@@ -22,21 +22,10 @@ from torch.nn.modules.utils import _pair
 from ..reduce import allreduce
 from . import rows
 from ._shard import Wrapper, fetch_rows, layer_extents, require_covered, shard_dims, spatial_axis
+from .conv import _check_windows
 
 __all__ = ["DomainParallelAdaptiveAvgPool2d", "DomainParallelAdaptiveMaxPool2d", "DomainParallelAvgPool2d",
            "DomainParallelMaxPool2d", "adaptive_pool"]
-
-
-def _check(name, windows, extents, halo, details):
-    empty = [r for r, w in enumerate(windows) if not w.outputs]
-    problem = None
-    if empty and sum(w.outputs for w in windows):
-        problem = f"domain ranks {empty} would hold no output rows"
-    elif halo > min(extents):
-        problem = f"it needs {halo} rows of each neighbour, more than the smallest shard holds"
-    if problem:
-        raise ValueError(f"{name}({details}) cannot run on shards of {list(extents)} rows along the sharded dim: "
-                         f"{problem}; use fewer domain ranks or a larger field")
 
 
 class _WindowPool(Wrapper):
@@ -74,7 +63,7 @@ class _WindowPool(Wrapper):
             halo = rows.halo_for(windows)
             details = (f"kernel={k[axis]}, stride={s[axis]}, dilation={d[axis]}, padding={p[axis]}, "
                        f"ceil_mode={ceil} along dim {dim}")
-            _check(name, windows, extents, halo, details)
+            _check_windows(name, windows, extents, halo, details)
             x = fetch_rows(x, windows[index], halo, dim, manager)
             cuts.append((dim, axis, windows[index], sum(extents)))
         return self._pool(x, cuts, k, s, d, p, ceil)
