@@ -174,3 +174,14 @@ def test_unet_diffusion_periodic_conv2d(world):
             got = gather_tensor(y.detach(), manager=manager)
         assert relative(got, want.detach()) < TOLERANCE, shape
         assert gradient_difference(converted, reference) < TOLERANCE, shape
+
+
+def test_crossformer_with_patches_is_refused(crossformer):
+    """CubeEmbedding's reshape to the whole patch grid and the real interpolation after it are functional
+    calls the converter cannot reach: a ValueError (alike on every rank: conversion is local)."""
+    model = crossformer.CrossFormer(image_height=64, image_width=64, patch_height=2, patch_width=2, frames=1,
+                                    channels=1, levels=2, surface_channels=1, input_only_channels=0,
+                                    dim=(4, 8, 16, 32), depth=(1, 1, 1, 1), dim_head=4, local_window_size=1,
+                                    global_window_size=(1, 1, 1, 1))
+    with pytest.raises(ValueError, match="CrossFormer with patches"):
+        convert_to_domain_parallel(model, shard_dim=-2)

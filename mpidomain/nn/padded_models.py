@@ -91,12 +91,13 @@ def plan_padded_models(model, manager=None):
                                 "dealt out in aligned blocks"))
             plan.append((module, "use_padding", True, f"{path}.use_padding" if path else "use_padding",
                          "switched on for the zero-width padding"))
+        if _is_crossformer(module) and (module.patch_height != 1 or module.patch_width != 1):
+            raise ValueError(f"{path or '<model>'}: a CrossFormer with patches ({module.patch_height}x"
+                             f"{module.patch_width}) reshapes to the whole field's patch grid and interpolates its "
+                             "output with F.interpolate inside forward, which the converter cannot reach; use "
+                             "patch_height=patch_width=1")
         if _is_crossformer(module) and module.use_interp:
             where = f"{path}.use_interp" if path else "use_interp"
-            if module.patch_height != 1 or module.patch_width != 1:
-                raise ValueError(f"{where}: a CrossFormer with patches ({module.patch_height}x{module.patch_width}) "
-                                 "interpolates its output with F.interpolate inside forward, which the converter "
-                                 "cannot reach; use patch_height=patch_width=1")
             plan.append((module, "use_interp", False, where,
                          "F.interpolate to (image_height, image_width) is the identity: switched off"))
     return plan
