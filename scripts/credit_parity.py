@@ -74,8 +74,9 @@ def build(config):
     model = module.CrossFormer(frames=1, output_frames=1, channels=2, levels=2, surface_channels=2,
                                input_only_channels=1, depth=(1, 1, 1, 1), cross_embed_strides=(2, 2, 2, 2),
                                use_spectral_norm=True, upsample_with_ps=True, attention_type="scse",
-                               padding_conf=dict(activate=pad_lat is not None, mode="earth", pad_lat=list(pad_lat or ()),
-                                                 pad_lon=list(pad_lon or ())), **c).double()
+                               padding_conf=dict(activate=pad_lat is not None, mode="earth",
+                                                 pad_lat=list(pad_lat or ()), pad_lon=list(pad_lon or ())),
+                               **c).double()
     x = torch.randn(1, 7, 1, c["image_height"], c["image_width"], dtype=torch.float64)
     return model, x
 

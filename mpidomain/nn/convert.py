@@ -110,7 +110,7 @@ LOCAL_REASONS = {
 
 
 def window_attention_like(module):
-    """True for a windowed attention module such as CREDIT's CrossFormer ``Attention`` (:func:`window_attention_spec`)."""
+    """True for a windowed attention module, such as CREDIT's CrossFormer ``Attention`` (see window_attention_spec)."""
     return window_attention_spec(module) is not None
 
 

@@ -100,11 +100,11 @@ def _move_rows(x, dim, source, target, index, peers, comm):
         send_displs[peer] = sends[j][0] * row
         receive_counts[peer] = (receives[j][1] - receives[j][0]) * row
         receive_displs[peer] = receives[j][0] * row
-    out = torch.empty(out_shape, dtype=x.dtype, device=x.device)
+    out = torch.empty(out_shape, dtype=x.dtype)  # host memory: device tensors are staged through it
     send = front.detach().cpu().numpy() if front.numel() else np.empty(0, dtype=_numpy_dtype(x))
     received = out.numpy() if out.numel() else np.empty(0, dtype=_numpy_dtype(x))
     comm.Alltoallv([send, (send_counts, send_displs)], [received, (receive_counts, receive_displs)])
-    return out.movedim(0, dim)
+    return out.to(x.device).movedim(0, dim)
 
 
 def _numpy_dtype(x):
@@ -205,8 +205,9 @@ class DomainParallelTensorPadding(torch.nn.Module):
             problem = (f"{padded_rows} padded latitude rows cannot be cut into {lats} blocks of whole "
                        f"{self.align[0]}-row groups (the model's strides and windows); use at most "
                        f"{padded_rows // self.align[0]} latitude ranks")
-        elif max(top, bottom) > min(extents):
-            problem = f"pad_lat={self.pad_lat} needs more rows than the smallest shard of {extents} holds"
+        elif max(top, bottom) > min(extents) or (self.mode == "mirror" and max(top, bottom) >= min(extents)):
+            problem = (f"pad_lat={self.pad_lat} needs more rows than the smallest shard of {extents} holds; use fewer "
+                       "latitude ranks")
         elif lons > 1:
             starts = np.cumsum([0] + lon_extents[:-1]) + left
             if any(int(s) % self.align[1] for s in starts[1:]) or max(left, right) > min(lon_extents):
@@ -256,7 +257,9 @@ class DomainParallelTensorPadding(torch.nn.Module):
         lats, lons = len(extents), len(lon_extents)
         (top, bottom), (left, right) = self.pad_lat, self.pad_lon
         padded_rows = sum(extents)
-        inputs = self._input_extents.get(padded_rows) or list(balanced_split(max(0, padded_rows - top - bottom), lats)[0])
+        inputs = self._input_extents.get(padded_rows)
+        if inputs is None:  # no pad() of this size yet: the rows as shard_tensor deals them
+            inputs = list(balanced_split(max(0, padded_rows - top - bottom), lats)[0])
         local = [n + (top if c == 0 else 0) + (bottom if c == lats - 1 else 0) for c, n in enumerate(inputs)]
         if local != list(extents):
             y = _MoveRows.apply(y, y.ndim - 2, tuple(extents), tuple(local), lat, tuple(column),

@@ -85,8 +85,8 @@ def plan_padded_models(model, manager=None):
             # No padding: a zero-width one still deals the rows out in aligned blocks, and back.
             align = crossformer_align(module) or 1
             where = f"{path}.padding_opt" if path else "padding_opt"
-            plan.append((module, "padding_opt", DomainParallelTensorPadding("earth", (0, 0), (0, 0), align=(align, align),
-                                                                            manager=manager),
+            zero = DomainParallelTensorPadding("earth", (0, 0), (0, 0), align=(align, align), manager=manager)
+            plan.append((module, "padding_opt", zero,
                          where, f"no padding -> DomainParallelTensorPadding of width 0 (align={align}): the rows "
                                 "dealt out in aligned blocks"))
             plan.append((module, "use_padding", True, f"{path}.use_padding" if path else "use_padding",
