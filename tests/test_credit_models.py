@@ -87,17 +87,27 @@ def test_crossformer_forward_and_gradients(world, crossformer):
 
 
 def test_crossformer_layout_that_cannot_work_raises_on_every_rank(world, crossformer):
-    """128 padded rows in blocks of 32 (strides 16 x short window 2) make at most 4 latitude ranks; a
-    padding that asks for blocks of 128 rows leaves ranks without any: the same ValueError everywhere."""
+    """27 + 2 + 3 = 32 padded rows in blocks of 32 (strides 16 x short window 2) fit one latitude rank only:
+    the converted model raises the same ValueError on every rank, naming the rows and the limit."""
     if world.size == 1:
         pytest.skip("one rank holds every block")
-    x = torch.randn(1, 3, 1, 123, 56, dtype=torch.float64)
+    torch.manual_seed(0)
+    model = crossformer.CrossFormer(image_height=27, image_width=56, frames=1, channels=1, levels=2,
+                                    surface_channels=1, input_only_channels=0, dim=(4, 8, 16, 32),
+                                    depth=(1, 1, 1, 1), dim_head=4, local_window_size=2,
+                                    global_window_size=(1, 1, 1, 1), use_spectral_norm=False,
+                                    cross_embed_kernel_sizes=((4, 8), (2, 4), (2, 4), (2, 4)),
+                                    cross_embed_strides=(2, 2, 2, 2),
+                                    padding_conf=dict(activate=True, mode="earth", pad_lat=[2, 3],
+                                                      pad_lon=[4, 4])).double()
+    x = torch.randn(1, 3, 1, 27, 56, dtype=torch.float64)
     with DomainParallelManager(world.size, world.size) as manager:
-        padding = DomainParallelTensorPadding("earth", (2, 3), (4, 4), align=(128, 1), manager=manager)
+        converted = convert_to_domain_parallel(model, manager=manager)
         with pytest.raises(ValueError) as error:
-            padding.pad(shard_tensor(x, manager=manager, allow_uneven=True))
+            converted(shard_tensor(x, manager=manager, allow_uneven=True))
     messages = world.allgather(str(error.value))
-    assert len(set(messages)) == 1 and "use at most 1 latitude ranks" in messages[0], messages
+    assert len(set(messages)) == 1 and "32 padded latitude rows" in messages[0] \
+        and "use at most 1 latitude ranks" in messages[0], messages
 
 
 @pytest.mark.parametrize("mode", ["earth", "mirror"])
