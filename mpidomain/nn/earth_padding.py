@@ -10,9 +10,8 @@ global field:
   or reflection of the edge rank's own rows) and then re-distributes the
   padded latitude rows so that each rank holds a block that starts at a
   multiple of ``align`` rows: the rows every later stride, window and skip
-  connection needs to find whole on one rank (an all-to-all over the ranks
-  of one longitude column, differentiable: its adjoint is the reverse
-  re-distribution);
+  connection needs to find whole on one rank (:class:`~mpidomain.nn.Redistribute`,
+  an all-to-all over the ranks of one longitude column; its adjoint the move back);
 - ``unpad`` re-distributes back to the rows the input came in and drops the
   first ``pad_lat[0]`` and last ``pad_lat[1]`` global rows (and the
   longitude pads).
@@ -25,16 +24,17 @@ of ``align[1]`` (they do for 360 + 76 + 76 on 2 tiles); otherwise it raises on e
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from .._mpi import agree
 from .._validate import require_manager
 from ..manager import library_comm
+from ..redistribution_layout import RowMove, contiguous_layout
 from ..sharding import balanced_split
 from ._shard import place
 from .halo import HaloExchange
+from .redistribution import Redistribute
 
-__all__ = ["DomainParallelTensorPadding", "is_tensor_padding", "aligned_extents", "row_moves"]
+__all__ = ["DomainParallelTensorPadding", "is_tensor_padding", "aligned_extents"]
 
 _MODES = ("earth", "mirror")
 
@@ -65,65 +65,10 @@ def aligned_extents(total, parts, align):
     return [n * align for n in balanced_split(total // align, parts)[0]]
 
 
-def row_moves(source, target, index):
-    """Return (sends, receives) of rank ``index`` moving rows from extents ``source`` to ``target``.
-
-    ``sends[j]`` is the (start, stop) of this rank's local source rows that go to
-    rank ``j``; ``receives[j]`` where rank ``j``'s rows land in this rank's target rows.
-    """
-    starts_s = np.cumsum([0] + list(source))
-    starts_t = np.cumsum([0] + list(target))
-    mine_s = (int(starts_s[index]), int(starts_s[index + 1]))
-    mine_t = (int(starts_t[index]), int(starts_t[index + 1]))
-    sends, receives = [], []
-    for j in range(len(source)):
-        lo, hi = max(mine_s[0], int(starts_t[j])), min(mine_s[1], int(starts_t[j + 1]))
-        sends.append((lo - mine_s[0], hi - mine_s[0]) if hi > lo else (0, 0))
-        lo, hi = max(mine_t[0], int(starts_s[j])), min(mine_t[1], int(starts_s[j + 1]))
-        receives.append((lo - mine_t[0], hi - mine_t[0]) if hi > lo else (0, 0))
-    return sends, receives
-
-
-# -- Moving the rows --------------------------------------------------------------------------
-
-def _move_rows(x, dim, source, target, index, peers, comm):
-    """This rank's ``target`` rows along ``dim`` from every peer's ``source`` rows (one Alltoallv)."""
-    sends, receives = row_moves(source, target, index)
-    front = x.movedim(dim, 0).contiguous()
-    row = front[0].numel() if front.shape[0] else int(np.prod(front.shape[1:]))
-    out_shape = (target[index],) + tuple(front.shape[1:])
-    size = comm.Get_size()
-    send_counts, send_displs = [0] * size, [0] * size
-    receive_counts, receive_displs = [0] * size, [0] * size
-    for j, peer in enumerate(peers):
-        send_counts[peer] = (sends[j][1] - sends[j][0]) * row
-        send_displs[peer] = sends[j][0] * row
-        receive_counts[peer] = (receives[j][1] - receives[j][0]) * row
-        receive_displs[peer] = receives[j][0] * row
-    out = torch.empty(out_shape, dtype=x.dtype)  # host memory: device tensors are staged through it
-    send = front.detach().cpu().numpy() if front.numel() else np.empty(0, dtype=_numpy_dtype(x))
-    received = out.numpy() if out.numel() else np.empty(0, dtype=_numpy_dtype(x))
-    comm.Alltoallv([send, (send_counts, send_displs)], [received, (receive_counts, receive_displs)])
-    return out.to(x.device).movedim(0, dim)
-
-
-def _numpy_dtype(x):
-    return torch.empty(0, dtype=x.dtype).numpy().dtype
-
-
-class _MoveRows(torch.autograd.Function):
-    """Re-distribute rows along ``dim``; backward moves the gradient rows back (the exact adjoint)."""
-
-    @staticmethod
-    def forward(ctx, x, dim, source, target, index, peers, comm):
-        ctx.arguments = (dim, source, target, index, peers, comm)
-        return _move_rows(x, dim, source, target, index, peers, comm)
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad):
-        dim, source, target, index, peers, comm = ctx.arguments
-        return _move_rows(grad, dim, target, source, index, peers, comm), None, None, None, None, None, None
+def _move(y, source, target, manager):
+    """Deal ``y``'s latitude rows from extents ``source`` to ``target`` (contiguous blocks); differentiable."""
+    move = RowMove(contiguous_layout(source), contiguous_layout(target))
+    return Redistribute(move, -2, manager)(y)
 
 
 class DomainParallelTensorPadding(torch.nn.Module):
@@ -167,7 +112,7 @@ class DomainParallelTensorPadding(torch.nn.Module):
         return self.pad(x)
 
     def _layout(self, x, name):
-        """Agree, and return (manager, lat extents, lat index, lon index, lon tiles, peers); collective."""
+        """Agree, and return (manager, lat extents, lat index, lon index, lon extents); collective."""
         manager = require_manager(self.manager, name)
         error = None
         if x.ndim < 3:
@@ -180,7 +125,6 @@ class DomainParallelTensorPadding(torch.nn.Module):
               error=error)
         lat, lats = place(manager, x, x.ndim - 2)
         lon, lons = place(manager, x, x.ndim - 1)
-        column = [c * lons + lon for c in range(lats)]  # domain ranks of this longitude column
         everyone = library_comm(manager).allgather((lat, lon, int(x.shape[-2]), int(x.shape[-1])))
         extents = [0] * lats
         for c, o, rows, _ in everyone:
@@ -190,12 +134,12 @@ class DomainParallelTensorPadding(torch.nn.Module):
         for c, o, _, cols in everyone:
             if c == lat:
                 lon_extents[o] = cols
-        return manager, extents, lat, lon, lon_extents, column
+        return manager, extents, lat, lon, lon_extents
 
     def pad(self, x):
         """Return this rank's rows of the padded global field, in ``align``-row blocks; collective."""
         name = "DomainParallelTensorPadding.pad"
-        manager, extents, lat, lon, lon_extents, column = self._layout(x, name)
+        manager, extents, lat, lon, lon_extents = self._layout(x, name)
         lats, lons = len(extents), len(lon_extents)
         (top, bottom), (left, right) = self.pad_lat, self.pad_lon
         padded_rows = sum(extents) + top + bottom
@@ -220,8 +164,7 @@ class DomainParallelTensorPadding(torch.nn.Module):
         local = [n + (top if c == 0 else 0) + (bottom if c == lats - 1 else 0) for c, n in enumerate(extents)]
         if local == target:
             return y
-        return _MoveRows.apply(y, y.ndim - 2, tuple(local), tuple(target), lat, tuple(column),
-                               library_comm(manager))
+        return _move(y, local, target, manager)
 
     def _pad_in_place(self, x, manager, first, last, west, east, lon_tiled):
         """Pad the global edges of this rank's tile (its own rows stay where they are)."""
@@ -253,7 +196,7 @@ class DomainParallelTensorPadding(torch.nn.Module):
     def unpad(self, y):
         """Return this rank's rows of the unpadded field, laid out as :meth:`pad`'s input; collective."""
         name = "DomainParallelTensorPadding.unpad"
-        manager, extents, lat, lon, lon_extents, column = self._layout(y, name)
+        manager, extents, lat, lon, lon_extents = self._layout(y, name)
         lats, lons = len(extents), len(lon_extents)
         (top, bottom), (left, right) = self.pad_lat, self.pad_lon
         padded_rows = sum(extents)
@@ -262,8 +205,7 @@ class DomainParallelTensorPadding(torch.nn.Module):
             inputs = list(balanced_split(max(0, padded_rows - top - bottom), lats)[0])
         local = [n + (top if c == 0 else 0) + (bottom if c == lats - 1 else 0) for c, n in enumerate(inputs)]
         if local != list(extents):
-            y = _MoveRows.apply(y, y.ndim - 2, tuple(extents), tuple(local), lat, tuple(column),
-                                library_comm(manager))
+            y = _move(y, extents, local, manager)
         first, last, west, east = lat == 0, lat == lats - 1, lon == 0, lon == lons - 1
         cut_top, cut_bottom = (top if first else 0), (bottom if last else 0)
         cut_left, cut_right = (left if west else 0), (right if east else 0)
