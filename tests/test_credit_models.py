@@ -66,15 +66,16 @@ def gradient_difference(converted, reference):
 
 
 def small_crossformer(module, global_window_size=(4, 2, 2, 1), mode="earth"):
-    """CREDIT's test configuration shrunk: 124 x 56, pads (2, 3) / (4, 4), windows 2 and (4, 2, 2, 1)."""
+    """CREDIT's test configuration shrunk: 123 x 56, pads (2, 3) / (4, 4), windows 2 and (4, 2, 2, 1), two
+    input frames (reshaped into channels)."""
     torch.manual_seed(0)
-    model = module.CrossFormer(image_height=123, image_width=56, frames=1, channels=1, levels=2, surface_channels=1,
+    model = module.CrossFormer(image_height=123, image_width=56, frames=2, channels=1, levels=2, surface_channels=1,
                                input_only_channels=0, dim=(4, 8, 16, 32), depth=(1, 1, 1, 1), dim_head=4,
                                local_window_size=2, global_window_size=global_window_size,
                                cross_embed_kernel_sizes=((4, 8), (2, 4), (2, 4), (2, 4)),
                                cross_embed_strides=(2, 2, 2, 2), use_spectral_norm=True,
                                padding_conf=dict(activate=True, mode=mode, pad_lat=[2, 3], pad_lon=[4, 4])).double()
-    return model, torch.randn(1, 3, 1, 123, 56, dtype=torch.float64)
+    return model, torch.randn(1, 3, 2, 123, 56, dtype=torch.float64)
 
 
 def test_crossformer_forward_and_gradients(world, crossformer):
