@@ -13,8 +13,8 @@ short and long windows) with the widths and depths shrunk to fit a laptop:
 - ``small``: 124 x 56, pad_lat (2, 2), pad_lon (4, 4), local window 2, global windows (4, 2, 2, 1);
 - ``nopad`` and ``nopad-g1``: 128 x 64 without padding, long windows (4, 2, 2, 1), or all 1 (the
   long-range attention is local too). (CREDIT's converter of miles-credit 2026.2.0 crashes on each of
-  them, as on CrossEmbed kernels (2, 4) or 2 alone everywhere: its CrossEmbed branches come out of
-  different heights, its PixelShuffle decoder's residual sums tensors of different heights.)
+  them, as with CrossEmbed kernels (2, 4) at every stage: its CrossEmbed branches come out of
+  different heights; with kernel 2 alone it adds tensors of different heights.)
 - ``1deg``: 181 x 360, pad_lat (37, 38), pad_lon (76, 76), local window 4, global windows (8, 4, 2, 1).
 
 For each, one training step (forward, loss = mean square, backward) of
