@@ -8,6 +8,7 @@ from .binding import DeviceBinding, bind_device
 from .halo import HaloPlan, halo_exchange
 from .launcher import Launcher, detect_launcher
 from .manager import DomainParallelManager, get_domain_parallel_manager, initialize_domain_parallel
+from .redistribution import redistribute
 from .reduce import allreduce
 from .sharding import balanced_split, gather_tensor, scatter_tensor, shard_batch, shard_tensor
 from .torch_bridge import init_torch_distributed
@@ -30,5 +31,6 @@ __all__ = [
     "shard_batch",
     "balanced_split",
     "allreduce",
+    "redistribute",
     "init_torch_distributed",
 ]

@@ -6,11 +6,19 @@ backward; :func:`convert_to_domain_parallel` puts them into a model.
 
 from .conv import (DomainParallelConv2d, DomainParallelConv3d, DomainParallelConvTranspose2d,
                    DomainParallelConvTranspose3d, DomainParallelPeriodicConv2d)
-from .convert import convert_to_domain_parallel
+from .blocks import DomainParallelCoordinateAttention
+from .convert import ConversionReport, convert_to_domain_parallel
+from .earth_padding import DomainParallelTensorPadding
 from .gradients import allreduce_gradients
 from .halo import HaloExchange
 from .interpolate import DomainParallelInterpolate
-from .norm import DomainParallelGroupNorm
+from .memory import SavedActivations
+from .norm import DomainParallelBatchNorm, DomainParallelGroupNorm
+from .pool import (DomainParallelAdaptiveAvgPool2d, DomainParallelAdaptiveMaxPool2d, DomainParallelAvgPool2d,
+                   DomainParallelMaxPool2d)
+from .redistribution import Redistribute
+from .shuffle import DomainParallelPixelUnshuffle
+from .window_attention import DomainParallelWindowAttention, WindowAttentionSpec, window_attention_spec
 
 __all__ = [
     "HaloExchange",
@@ -21,6 +29,20 @@ __all__ = [
     "DomainParallelConvTranspose3d",
     "DomainParallelPeriodicConv2d",
     "DomainParallelGroupNorm",
+    "DomainParallelBatchNorm",
     "DomainParallelInterpolate",
+    "DomainParallelTensorPadding",
+    "DomainParallelWindowAttention",
+    "Redistribute",
+    "WindowAttentionSpec",
+    "window_attention_spec",
+    "DomainParallelMaxPool2d",
+    "DomainParallelAvgPool2d",
+    "DomainParallelAdaptiveAvgPool2d",
+    "DomainParallelAdaptiveMaxPool2d",
+    "DomainParallelPixelUnshuffle",
+    "DomainParallelCoordinateAttention",
+    "ConversionReport",
     "convert_to_domain_parallel",
+    "SavedActivations",
 ]

@@ -138,6 +138,7 @@ class Wrapper(torch.nn.Module):
     """
 
     _child = "module"
+    keeps_child_prefix = False  # True: the state_dict keys keep "<child>." (the wrapped module's parent's keys)
 
     def __init__(self, module, shard_dim, manager):
         super().__init__()
@@ -177,12 +178,16 @@ class Wrapper(torch.nn.Module):
 
 
 def _strip_child_prefix(module, state_dict, prefix, local_metadata):
+    if getattr(module, "keeps_child_prefix", False):
+        return
     inner = prefix + module._child + "."
     for key in [k for k in state_dict if k.startswith(inner)]:
         state_dict[prefix + key[len(inner):]] = state_dict.pop(key)
 
 
 def _add_child_prefix(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+    if getattr(module, "keeps_child_prefix", False):
+        return
     inner = prefix + module._child + "."
     for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(inner)]:
         state_dict[inner + key[len(prefix):]] = state_dict.pop(key)

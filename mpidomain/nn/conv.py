@@ -86,7 +86,7 @@ class _ForwardConv(_Conv):
         x = self._pre_hooks(x)
         conv, name, manager = self.conv, type(self).__name__, self._manager()
         dims = shard_dims(self.shard_dim)
-        pads, axes = conv_padding(conv), []
+        pads, axes = self._own_padding(), []
         require_covered(manager, x, self.shard_dim, self._spatial, name,
                         lambda a: conv.kernel_size[a] == 1 and conv.stride[a] == 1 and pads[a] == (0, 0))
         overrides = self.padding_override if len(dims) > 1 else (self.padding_override,)
@@ -142,6 +142,10 @@ class _ForwardConv(_Conv):
     def _edge(self, axis):
         """How rows beyond the field's edges along spatial ``axis`` are made: the conv's padding mode."""
         return self.conv.padding_mode
+
+    def _own_padding(self):
+        """(before, after) per spatial dim before any override: the conv's."""
+        return conv_padding(self.conv)
 
     def _convolve(self, slab, pads, axes):
         conv = self.conv
@@ -255,17 +259,54 @@ class DomainParallelConvTranspose3d(_TransposedConv):
 
 
 class DomainParallelPeriodicConv2d(DomainParallelConv2d):
-    """A ``torch.nn.Conv2d`` padded with zeros in latitude and circularly in longitude, by the conv's own padding.
+    """A ``torch.nn.Conv2d`` padded circularly in longitude and with zeros (or reflected) in latitude.
 
-    Its single-process twin pads ``x`` circularly in longitude, then with zeros in latitude, and
-    convolves unpadded. Along a sharded dim the rows come from the neighbours: zeros beyond the
-    poles, and in longitude the rows of the other end of the domain group (with tiles) or this
-    rank's own (latitude slabs hold every longitude). Collective over the domain group, forward
-    and backward. Wraps a conv with ``padding_mode="zeros"``.
+    Its single-process twin pads ``x`` circularly in longitude, then in latitude (zeros, or
+    ``latitude="reflect"``), and convolves unpadded; the padding is the conv's own unless
+    ``periodic_padding`` gives it. Along a sharded dim the rows come from the neighbours:
+    beyond the poles zeros or the edge rank's rows reflected, and in longitude the rows of the
+    other end of the domain group (with tiles) or this rank's own (latitude slabs hold every
+    longitude). Collective over the domain group, forward and backward. Wraps a conv with
+    ``padding_mode="zeros"``. :meth:`from_periodic` converts CREDIT's
+    ``credit.models.unet_diffusion.PeriodicConv2d``.
+
+    :param latitude: ``"zeros"`` or ``"reflect"``: the rows beyond the poles.
+    :param periodic_padding: Rows and columns padded on each side in place of the conv's padding.
     """
 
+    def __init__(self, conv, shard_dim=-2, manager=None, *, padding=None, latitude="zeros", periodic_padding=None):
+        if latitude not in ("zeros", "reflect"):
+            raise ValueError(f"latitude must be 'zeros' or 'reflect', got {latitude!r}")
+        super().__init__(conv, shard_dim, manager, padding=padding)
+        self.latitude = latitude
+        self.periodic_padding = periodic_padding
+
+    @classmethod
+    def from_periodic(cls, module, shard_dim=-2, manager=None):
+        """Return the twin of a module that pads ``module.padding`` columns circularly, then rows reflected,
+        and applies ``module.conv`` (unpadded): CREDIT's ``unet_diffusion.PeriodicConv2d``.
+
+        The state_dict keys stay the module's (``<path>.conv.weight``).
+        """
+        conv, padding = getattr(module, "conv", None), getattr(module, "padding", None)
+        if not isinstance(conv, torch.nn.Conv2d) or conv_padding(conv) != [(0, 0), (0, 0)] \
+                or not isinstance(padding, int):
+            raise TypeError(f"from_periodic expects a module with .conv (an unpadded Conv2d) and an int .padding, "
+                            f"got {type(module).__name__}")
+        layer = cls(conv, shard_dim, manager, latitude="reflect", periodic_padding=padding)
+        layer.keeps_child_prefix = True
+        return layer
+
     def _edge(self, axis):
-        return "circular" if axis == 1 else "zeros"
+        return "circular" if axis == 1 else self.latitude
+
+    def _own_padding(self):
+        if self.periodic_padding is None:
+            return conv_padding(self.conv)
+        return [(self.periodic_padding, self.periodic_padding)] * 2
+
+    def _settings(self, axis):
+        return super()._settings(axis) + (self.latitude, self.periodic_padding)
 
     def _convolve(self, slab, pads, axes):
         conv = self.conv
@@ -281,3 +322,7 @@ class DomainParallelPeriodicConv2d(DomainParallelConv2d):
             raise ValueError("DomainParallelPeriodicConv2d pads longitude circularly itself: wrap a conv with "
                              f"padding_mode='zeros', got {self.conv.padding_mode!r}")
         return super().forward(x)
+
+    def extra_repr(self):
+        return super().extra_repr() + (f", latitude={self.latitude!r}" if self.latitude != "zeros" else "") + (
+            f", periodic_padding={self.periodic_padding}" if self.periodic_padding is not None else "")

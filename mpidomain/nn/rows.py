@@ -9,7 +9,8 @@ input rows outside ``[0, N)`` are the layer's own padding.
 
 from dataclasses import dataclass
 
-__all__ = ["Window", "conv_windows", "transposed_windows", "halo_for", "ceil_div"]
+__all__ = ["Window", "adaptive_bins", "adaptive_windows", "conv_windows", "pool_output_length", "pool_windows",
+           "transposed_windows", "halo_for", "ceil_div"]
 
 
 def ceil_div(a, b):
@@ -61,16 +62,17 @@ def conv_output_length(n, kernel, stride, dilation, before, after):
     return max(0, (n + before + after - dilation * (kernel - 1) - 1) // stride + 1)
 
 
-def conv_windows(extents, kernel, stride, dilation, before, after):
+def conv_windows(extents, kernel, stride, dilation, before, after, length=None):
     """Return each rank's :class:`Window` of a convolution along the sharded dimension.
 
     Output ``o`` reads padded rows ``[o*stride, o*stride + span)`` (``span = dilation*(kernel-1)+1``),
     that is input rows from ``o*stride - before``. A rank computes the outputs whose first
     padded row ``o*stride`` falls in its own rows (the first rank from 0, the last up to the end).
+    ``length``: the number of output rows, if not the convolution's (a pool's ``ceil_mode``).
     """
     starts, total = _offsets(extents)
     span = dilation * (kernel - 1) + 1
-    m = conv_output_length(total, kernel, stride, dilation, before, after)
+    m = conv_output_length(total, kernel, stride, dilation, before, after) if length is None else length
     windows = []
     for rank, (a, n) in enumerate(zip(starts, extents)):
         b = a + n
@@ -80,6 +82,53 @@ def conv_windows(extents, kernel, stride, dilation, before, after):
         in_start = lo * stride - before
         in_stop = (hi - 1) * stride - before + span if hi > lo else in_start
         windows.append(Window(lo, hi, in_start, in_stop, a, b))
+    return windows
+
+
+def pool_output_length(n, kernel, stride, dilation, padding, ceil_mode):
+    """Output rows of a max or average pool over ``n`` rows (PyTorch's rule, ``ceil_mode`` included).
+
+    With ``ceil_mode`` a last, partial window counts if it starts inside the input or its left padding.
+    """
+    span = dilation * (kernel - 1) + 1
+    m = (n + 2 * padding - span + (stride - 1 if ceil_mode else 0)) // stride + 1
+    if ceil_mode and (m - 1) * stride >= n + padding:
+        m -= 1
+    return max(0, m)
+
+
+def pool_windows(extents, kernel, stride, dilation, padding, ceil_mode):
+    """Return each rank's :class:`Window` of a pool: a convolution's windows, with the pool's output rows.
+
+    With ``ceil_mode`` the last window may reach past the padding; its rows there are padding too.
+    """
+    m = pool_output_length(sum(extents), kernel, stride, dilation, padding, ceil_mode)
+    return conv_windows(extents, kernel, stride, dilation, padding, padding, length=m)
+
+
+def adaptive_bins(n, m):
+    """Return the input rows ``[(start, stop)]`` of each of an adaptive pool's ``m`` outputs over ``n`` rows.
+
+    PyTorch's bins: output ``i`` pools rows ``[floor(i*n/m), ceil((i+1)*n/m))``; they may overlap.
+    """
+    return [((i * n) // m, ceil_div((i + 1) * n, m)) for i in range(m)]
+
+
+def adaptive_windows(extents, m):
+    """Return each rank's output rows ``(lo, hi)`` of an adaptive pool to ``m`` rows.
+
+    A rank holds the outputs whose bin's first row lies in its own rows (the first rank from 0, the
+    last up to the end); with ``m == 1`` (a global pool) every rank holds the one output row.
+    """
+    if m == 1:
+        return [(0, 1)] * len(extents)
+    starts, total = _offsets(extents)
+    firsts = [start for start, _ in adaptive_bins(total, m)]
+    windows = []
+    for rank, (a, n) in enumerate(zip(starts, extents)):
+        lo = 0 if rank == 0 else sum(1 for f in firsts if f < a)
+        hi = m if rank == len(extents) - 1 else sum(1 for f in firsts if f < a + n)
+        windows.append((lo, max(lo, hi)))
     return windows
 
 

@@ -1,0 +1,51 @@
+"""``Redistribute``: :func:`mpidomain.redistribution.redistribute` in autograd.
+
+Forward deals the rows of a sharded dim out anew (one all-to-all); backward
+is the exact adjoint of that permutation of rows: the gradient's rows travel
+back along the inverse move to the ranks they came from.
+"""
+
+import torch
+
+from ..redistribution import redistribute
+
+__all__ = ["Redistribute"]
+
+
+class _RedistributeFunction(torch.autograd.Function):
+    """Move rows along a move; backward moves the gradient's rows along its inverse."""
+
+    @staticmethod
+    def forward(ctx, x, move, dim, manager):
+        ctx.arguments = (move, dim, manager)
+        return redistribute(x.detach(), move, dim, manager=manager)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        move, dim, manager = ctx.arguments
+        return redistribute(grad.contiguous(), move.inverse, dim, manager=manager), None, None, None
+
+
+class Redistribute(torch.nn.Module):
+    """Deal the rows of ``dim`` out as ``move`` says; differentiable (backward: the inverse move).
+
+    Collective over the domain group, forward and backward: every rank calls it
+    with its rows in ``move.source``'s layout and gets its rows of
+    ``move.target`` (see :func:`mpidomain.redistribution.redistribute`).
+
+    :param move: A :class:`~mpidomain.redistribution_layout.RowMove` over the ranks that share ``dim``.
+    :param dim: A dim the manager shards (with tiles, -2 or -1).
+    :param manager: Default: the global manager from ``initialize_domain_parallel``.
+    """
+
+    def __init__(self, move, dim, manager=None):
+        super().__init__()
+        self.move, self.dim, self.manager = move, dim, manager
+
+    def forward(self, x):
+        """Return this rank's rows of ``x`` in the target layout (see the class docstring)."""
+        return _RedistributeFunction.apply(x, self.move, self.dim, self.manager)
+
+    def extra_repr(self):
+        return f"dim={self.dim}, ranks={self.move.size}, rows={len(self.move.source.order)}"

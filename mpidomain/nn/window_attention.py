@@ -1,0 +1,163 @@
+"""Window attention (CREDIT's CrossFormer ``Attention``) on a sharded field, exact: whole windows per rank.
+
+Every window of a windowed attention is independent, so the wrapped module's
+own forward is exact on any local field that holds whole windows in the order
+its rearrange expects. :class:`DomainParallelWindowAttention` re-deals the rows
+of each sharded dim (one all-to-all along each, :class:`~mpidomain.nn.Redistribute`)
+so that every rank holds whole windows, runs the module unchanged, and sends
+the output rows back to their owners; backward is the exact adjoint. Short-range
+windows (``"short"``: ``window`` neighbouring rows) and long-range ones
+(``"long"``: rows spaced ``extent // window`` apart across the whole field)
+differ only in the layout (:mod:`mpidomain.redistribution_layout`).
+
+:func:`window_attention_spec` recognises such a module by what it has
+(``attn_type`` "short" or "long", ``window_size``, ``to_qkv``, ``to_out``,
+``rel_pos_indices``), never by importing CREDIT.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from .._mpi import agree
+from .._validate import is_int
+from ..manager import library_comm
+from ..redistribution_layout import WINDOW_KINDS, window_move
+from ._shard import Wrapper, layer_extents, place, shard_dims
+from .redistribution import Redistribute
+
+__all__ = ["DomainParallelWindowAttention", "WindowAttentionSpec", "window_attention_spec"]
+
+_NAME = "DomainParallelWindowAttention"
+
+
+@dataclass(frozen=True)
+class WindowAttentionSpec:
+    """What a windowed attention module computes over: ``kind`` ("short" or "long") windows of ``window_size``."""
+
+    kind: str
+    window_size: int
+
+
+def window_attention_spec(module):
+    """Return the :class:`WindowAttentionSpec` of a windowed attention module, or None if it is not one.
+
+    Local. A module is one if it has ``attn_type`` "short" or "long", an int
+    ``window_size`` >= 1, the submodules ``to_qkv`` and ``to_out`` and the
+    ``rel_pos_indices`` of a relative position bias: CREDIT's CrossFormer
+    ``Attention``, which attends within ``window_size x window_size`` windows of
+    neighbouring pixels ("short") or of pixels spaced ``H / window_size`` and
+    ``W / window_size`` apart across the whole field ("long").
+    """
+    kind, window = getattr(module, "attn_type", None), getattr(module, "window_size", None)
+    if not isinstance(kind, str) or kind not in WINDOW_KINDS or not is_int(window) or window < 1:
+        return None
+    if not all(isinstance(getattr(module, name, None), torch.nn.Module) for name in ("to_qkv", "to_out")):
+        return None
+    if not isinstance(getattr(module, "rel_pos_indices", None), torch.Tensor):
+        return None
+    return WindowAttentionSpec(kind, int(window))
+
+
+class DomainParallelWindowAttention(Wrapper):
+    """A windowed attention module on a sharded (B, C, H, W) field, equal to the module on the whole field.
+
+    Collective over the domain group, forward and backward: each rank passes its
+    shard (slabs or tiles, uneven extents allowed, as ``shard_tensor`` cuts
+    them) and gets its rows of the single-process output. Along each dim the
+    manager shards, the rows are re-dealt so that every rank holds whole windows
+    (blocks of whole windows for ``"short"``; whole long-range groups, ``l1``-major,
+    for ``"long"``: :mod:`mpidomain.redistribution_layout`), the wrapped module's
+    own forward runs on them, and the output rows return to their owners
+    (one all-to-all per sharded dim each way; none along a dim whose shards
+    already hold whole windows in order, e.g. short windows on aligned shards).
+    A rank dealt no window (more ranks than windows along a dim) runs the module
+    on an empty batch, so its parameter gradients are zeros, not None. Parameter gradients are this rank's share:
+    sum them over the domain group (``allreduce_gradients(..., group="domain",
+    op="sum")``) for the single-process gradients. The state_dict keys are the
+    module's own. Dropout inside the module draws other masks than one process.
+
+    A sharded dim whose extent ``window_size`` does not divide raises the same
+    ValueError on every rank.
+
+    :param module: The attention module (e.g. CREDIT's CrossFormer ``Attention``); kept as ``.module``.
+    :param window_size: Window size; default the module's (:func:`window_attention_spec`).
+    :param kind: ``"short"`` or ``"long"``; default the module's ``attn_type``.
+    :param shard_dim: The sharded dims; default (None) the manager's; must be the manager's if given.
+    :param manager: Default: the global manager from ``initialize_domain_parallel``.
+    """
+
+    def __init__(self, module, window_size=None, kind=None, shard_dim=None, manager=None):
+        spec = window_attention_spec(module)
+        if window_size is None or kind is None:
+            if spec is None:
+                raise TypeError(f"{_NAME}: {type(module).__name__} does not say its window (no attn_type 'short' or "
+                                "'long' with window_size, to_qkv, to_out and rel_pos_indices); pass window_size= "
+                                "and kind=")
+            window_size = spec.window_size if window_size is None else window_size
+            kind = spec.kind if kind is None else kind
+        if kind not in WINDOW_KINDS:
+            raise ValueError(f"{_NAME}: kind must be 'short' or 'long', got {kind!r}")
+        if not is_int(window_size) or window_size < 1:
+            raise ValueError(f"{_NAME}: window_size must be an int >= 1, got {window_size!r}")
+        super().__init__(module, shard_dim, manager)
+        self.window_size, self.kind = int(window_size), kind
+
+    def _check(self, x, manager):
+        """This rank's sharded dims of ``x`` (normalised); TypeError/ValueError for a local mistake."""
+        if not isinstance(x, torch.Tensor) or x.ndim != 4:
+            raise ValueError(f"{_NAME} expects a (B, C, H, W) tensor, got "
+                             f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+        if self.shard_dim is not None and shard_dims(self.shard_dim) != shard_dims(manager.shard_dim):
+            raise ValueError(f"{_NAME}(shard_dim={self.shard_dim}): the manager shards {manager.shard_dim}; the "
+                             f"windows span every sharded dim, so pass shard_dim=None or {manager.shard_dim}")
+        dims = []
+        for d, parts in zip(manager.shard_dims, manager.domain_shape):
+            if not -4 <= d < 4 or d % 4 < 2:
+                if parts > 1:
+                    raise ValueError(f"{_NAME}: the manager shards dim {d}, not latitude or longitude (-2, -1) of "
+                                     f"the (B, C, H, W) input; shard latitude or longitude")
+                continue
+            dims.append(d % 4)
+        return dims
+
+    def forward(self, x):
+        """Return this rank's rows of the module's output on the whole field; collective over the domain group."""
+        manager = self._manager()
+        settings = (type(self.module).__name__, self.kind, self.window_size)
+        try:
+            dims = self._check(x, manager)
+        except (TypeError, ValueError) as error:
+            agree(library_comm(manager), _NAME, None, error=error)  # the others meet it in layer_extents
+            raise
+        moves, error = [], None
+        for dim in dims:
+            if place(manager, x, dim)[1] == 1:
+                continue
+            extents, _ = layer_extents(manager, _NAME, x, dim, settings)
+            try:
+                move = window_move(self.kind, tuple(extents), self.window_size)
+            except ValueError as exc:
+                error = ValueError(f"{_NAME} along dim {dim - 4} (extents {tuple(extents)}): {exc}")
+                break
+            if move.source != move.target:  # shards of whole windows already (alike on every rank): nothing moves
+                moves.append((dim, move))
+        if error is not None:  # the same on every rank (the extents were gathered), settled before raising
+            agree(library_comm(manager), _NAME + " layout", None, error=error)
+        for dim, move in moves:
+            x = Redistribute(move, dim, manager)(x)
+        y = self._run(x)
+        for dim, move in reversed(moves):
+            y = Redistribute(move.inverse, dim, manager)(y)
+        return y
+
+    def _run(self, x):
+        """The module on whole windows; on no rows, on an empty batch of one window's shape (still in the graph)."""
+        if x.shape[-2] and x.shape[-1]:
+            return self.module(x)
+        window = self.window_size
+        out = self.module(x.reshape(0, x.shape[1], window, window))
+        return out.reshape(x.shape[0], out.shape[1], x.shape[2], x.shape[3])
+
+    def extra_repr(self):
+        return f"kind={self.kind!r}, window_size={self.window_size}, shard_dim={self.shard_dim}"
