@@ -28,7 +28,9 @@ __all__ = ["DomainParallelAdaptiveAvgPool2d", "DomainParallelAdaptiveMaxPool2d",
            "DomainParallelMaxPool2d", "adaptive_pool"]
 
 
-class _WindowPool(Wrapper):
+class _Pool(Wrapper):
+    """What every pool wrapper shares: the wrapped pool (``.pool``), checked for type and for indices."""
+
     _child = "pool"
     _base = ()
 
@@ -40,6 +42,8 @@ class _WindowPool(Wrapper):
                              "build the pool with return_indices=False")
         super().__init__(pool, shard_dim, manager)
 
+
+class _WindowPool(_Pool):
     def _geometry(self):
         """(kernel, stride, dilation, padding) per spatial axis, and ceil_mode."""
         pool = self.pool
@@ -212,18 +216,8 @@ def adaptive_pool(x, output_size, kind, shard_dim, manager, name):
     return x
 
 
-class _AdaptivePool(Wrapper):
-    _child = "pool"
-    _base = ()
+class _AdaptivePool(_Pool):
     _kind = ""
-
-    def __init__(self, pool, shard_dim=-2, manager=None):
-        if not isinstance(pool, self._base):
-            raise TypeError(f"{type(self).__name__} wraps a torch.nn.{self._base.__name__}, got {type(pool).__name__}")
-        if getattr(pool, "return_indices", False):
-            raise ValueError(f"{type(self).__name__} cannot return indices: they would be local to each shard; "
-                             "build the pool with return_indices=False")
-        super().__init__(pool, shard_dim, manager)
 
     def forward(self, x):
         """Return this rank's part of the pooled whole field (see the class docstring); collective."""
