@@ -10,7 +10,7 @@ from mpidomain.nn import (DomainParallelAdaptiveAvgPool2d, DomainParallelAdaptiv
 from mpitest import divisors  # noqa: E402
 from test_layers import compare, counts_for  # noqa: E402
 from test_tiles_nn import compare as compare_tiles  # noqa: E402
-from test_tiles_nn import layouts, twins  # noqa: E402
+from test_tiles_nn import layouts, one_process, twins  # noqa: E402
 
 nn = torch.nn
 
@@ -51,12 +51,7 @@ def wrap(pool, shard_dim, manager):
 
 def compare_replicated(manager, single, parallel, shape, counts):
     """A global pool: every rank's output is the whole output; the gradient of the loss taken once (rank 0)."""
-    generator = torch.Generator().manual_seed(0)
-    full = torch.randn(shape, dtype=torch.float64, generator=generator)
-    full_in = full.clone().requires_grad_()
-    reference = single(full_in)
-    weights = torch.randn(reference.shape, dtype=torch.float64, generator=generator)
-    (reference * weights).sum().backward()
+    full, full_in, reference, weights = one_process(single, shape)
     rank = manager.domain_rank
     start = sum(counts[:rank])
     local_in = full.narrow(-2, start, counts[rank]).clone().requires_grad_()
@@ -105,12 +100,7 @@ def compare_tiles_global(manager, single, parallel, shape):
     """Tiles and a pool global along some dim: assemble one copy along it; the loss counted once."""
     from test_tiles_nn import tile_of
 
-    generator = torch.Generator().manual_seed(0)
-    full = torch.randn(shape, dtype=torch.float64, generator=generator)
-    full_in = full.clone().requires_grad_()
-    reference = single(full_in)
-    weights = torch.randn(reference.shape, dtype=torch.float64, generator=generator)
-    (reference * weights).sum().backward()
+    full, full_in, reference, weights = one_process(single, shape)
     local_in = tile_of(full, manager).clone().requires_grad_()
     out = parallel(local_in)
     lat, lon = global_dims(single)

@@ -37,14 +37,23 @@ def relative(a, b):
     return float((a - b).abs().max() / max(float(b.abs().max()), 1e-300))
 
 
-def compare(manager, single, parallel, shape, seed=0):
-    """The problems of ``parallel`` on tiles against ``single`` on the whole field: output, input and weight grads."""
+def one_process(single, shape, seed=0):
+    """Run ``single`` on a random whole field and back-propagate a random weighting of its output.
+
+    Return (the field, its leaf with ``.grad``, the output, the weights).
+    """
     generator = torch.Generator().manual_seed(seed)
     full = torch.randn(shape, dtype=torch.float64, generator=generator)
     full_in = full.clone().requires_grad_()
     reference = single(full_in)
     weights = torch.randn(reference.shape, dtype=torch.float64, generator=generator)
     (reference * weights).sum().backward()
+    return full, full_in, reference, weights
+
+
+def compare(manager, single, parallel, shape, seed=0):
+    """The problems of ``parallel`` on tiles against ``single`` on the whole field: output, input and weight grads."""
+    full, full_in, reference, weights = one_process(single, shape, seed)
     local_in = tile_of(full, manager).clone().requires_grad_()
     out = parallel(local_in)
     whole = assemble(out, manager)
