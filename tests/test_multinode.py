@@ -189,13 +189,19 @@ def _ended_within(job, limit):
     return time.monotonic() - started, rest.decode(errors="replace")
 
 
+# PyPI's mpich speaks PMI1 to srun --mpi=pmi2 and its default UCX netmod puts each rank's address in ~1 KB
+# pieces, which Slurm's pmi2 plugin sometimes cannot parse (README, "Several nodes"): libfabric's address is short
+# (its tcp provider: the default, "sockets", hangs).
+SRUN_ENV = {"MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp"}
+
+
 def _srun(ranks, nodes, *options):
     return ["srun", "-N", str(nodes), "-n", str(ranks), "--mpi=pmi2", *options, sys.executable, "-c", LOOP]
 
 
 @needs_cluster
 def test_killing_one_nodes_processes_ends_the_srun_job():
-    job = _start(_srun(4, 2, "-K"), {})
+    job = _start(_srun(4, 2, "-K"), SRUN_ENV)
     ranks = _ready(job, 4)
     victims = [pid for pid, host in ranks.values() if host == "mpd-n1"]
     assert victims, ranks
@@ -210,7 +216,7 @@ def test_killing_one_nodes_processes_ends_the_srun_job():
 @needs_cluster
 def test_a_node_that_loses_its_link_ends_the_job_within_the_timeout():
     """No -K and no error to see: the survivors' halo waits give up after MPIDOMAIN_TIMEOUT and abort the job."""
-    job = _start(_srun(4, 2), {"MPIDOMAIN_TIMEOUT": "5"})
+    job = _start(_srun(4, 2), {**SRUN_ENV, "MPIDOMAIN_TIMEOUT": "5"})
     ranks = _ready(job, 4)
     survivors = [pid for pid, host in ranks.values() if host == "mpd-n0"]
     subprocess.run(["ip", "link", "set", "mpd-v1", "down"], check=True)
