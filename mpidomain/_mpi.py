@@ -114,9 +114,10 @@ def digest(value):
     return int.from_bytes(hashlib.blake2b(repr(value).encode(), digest_size=8).digest(), "little") >> 2
 
 
-def _agreement_values(value, flag, token, code):
+def _agreement_values(value, flag, token, code, ahead=False):
     code = digest(value) if code is None else code
-    return np.array([code, -code, int(bool(flag)), token, -token], dtype=np.int64)
+    ahead = int(bool(ahead))
+    return np.array([code, -code, int(bool(flag)), token, -token, ahead, -ahead], dtype=np.int64)
 
 
 def _agreement_result(values):
@@ -133,9 +134,19 @@ class Agreement:
 
     Collective like :func:`agree`, with the same arguments; local work may
     run between the halves, overlapping the agreement's latency.
+
+    ``ahead`` (:class:`AheadMessages`, optional) are the messages of the call
+    itself, which the caller would start before the result: if ``self.ahead``
+    is True it must start them at once. :meth:`result` then returns False (go
+    on: finish them) only if every rank agreed and went ahead alike; in every
+    other case it first settles all ranks' started messages (each receive
+    cancelled or completed, each message sent drained by its destination), so
+    none is left to match a later receive, and then raises or returns True
+    (the messages are gone; build anew).
     """
 
-    def __init__(self, comm, call, description, flag=False, error=None, mismatch=None, token=0, code=None):
+    def __init__(self, comm, call, description, flag=False, error=None, mismatch=None, token=0, code=None,
+                 ahead=None):
         # Through the communicator the library comms of this membership share: there, a rank using
         # another manager (another owner) in this call meets this one instead of waiting elsewhere.
         shared, self._owner, mark = _ROUTES.get(comm.py2f(), ([comm], None, 0))
@@ -151,13 +162,21 @@ class Agreement:
         local = None if error is None else f"{type(error).__name__}: {error}"
         if code is None or error is not None:
             code = digest((call, description, local))
-        self._values = _agreement_values(None, flag, token, code ^ mark)
+        # Messages the caller may start before the result, if they travel where this agreement can settle them.
+        route = None if ahead is None or error is not None else _ROUTES.get(ahead.comm.py2f())
+        self._ahead = (ahead, route[1]) if route is not None and route[0][0] is comm else None
+        self.ahead = self._ahead is not None
+        self._values = _agreement_values(None, flag, token, code ^ mark, self.ahead)
         self._request = comm.Iallreduce(mpi().IN_PLACE, self._values, op=mpi().MAX)
 
     def result(self):
         """Wait for the agreement; return the flag set on any rank (or tokens unequal), or raise on every rank."""
         wait_with_deadline(self._comm, self._request, self._call)
         same, any_flag = _agreement_result(self._values)
+        went_ahead, all_went_ahead = bool(self._values[5]), int(self._values[6]) == -1
+        if went_ahead and not (same and not any_flag and all_went_ahead):
+            _settle_ahead(self._comm, self._ahead, self._call)
+            any_flag = True  # the messages are gone: a caller that went ahead must not finish them
         comm, call, description, error = self._comm, self._call, self._description, self._error
         if same:
             if error is not None:
@@ -192,6 +211,75 @@ class Agreement:
         raise ValueError(f"{call} needs the same arguments on every rank, got {listing}")
 
 
+class AheadMessages:
+    """Messages a call started before its :class:`Agreement` settled: ``comm``, and the started requests.
+
+    ``sends`` and ``receives``: lists of ``(peer, tag, request)`` (persistent
+    requests, started, or None when not started). ``comm`` must be a communicator
+    whose agreements are shared (a manager's private one).
+    """
+
+    def __init__(self, comm, sends, receives):
+        self.comm, self.sends, self.receives = comm, sends, receives
+
+
+def _settle_ahead(comm, ahead, call):
+    """Finish or undo every rank's messages started ahead of a failed agreement on ``comm``; collective over ``comm``.
+
+    Each rank cancels its started receives (a receive already matched completes instead), then
+    receives and drops every message another rank sent it that none of its receives took, then
+    completes its sends. Every wait is bounded by :func:`timeout_seconds`.
+    """
+    MPI = mpi()
+    messages, name = ahead if ahead is not None else (None, None)
+    sent = [] if messages is None else [(peer, tag) for peer, tag, _ in messages.sends]
+    everyone = comm.allgather(None if messages is None else (name, sent))
+    taken = set()
+    if messages is not None:
+        receives = [(peer, tag, request) for peer, tag, request in messages.receives if request is not None]
+        for _, _, request in receives:
+            request.Cancel()
+        statuses = [MPI.Status() for _ in receives]
+        _wait([request for _, _, request in receives], comm, call, None, sleep=False, statuses=statuses)
+        for (peer, tag, request), status in zip(receives, statuses):
+            if not status.Is_cancelled():
+                taken.add((name, peer, tag))
+    me = comm.Get_rank()
+    for peer, record in enumerate(everyone):
+        if record is None:
+            continue
+        sender_name, sends = record
+        for destination, tag in sends:
+            if destination == me and (sender_name, peer, tag) not in taken:
+                _drop_message(_routed_comm(comm, sender_name), peer, tag, call)
+    if messages is not None:
+        _wait([request for _, _, request in messages.sends if request is not None], comm, call, None, sleep=False)
+
+
+def _drop_message(comm, source, tag, call):
+    """Receive and discard the message from ``source`` with ``tag`` on ``comm``, waiting at most the deadline."""
+    MPI = mpi()
+    status = MPI.Status()
+    start, limit = time.monotonic(), timeout_seconds()
+    while True:
+        message = comm.improbe(source=source, tag=tag, status=status)
+        if message is not None:
+            break
+        waited = time.monotonic() - start
+        if limit is not None and waited > limit:
+            raise _timed_out([], comm, call, None, waited, limit)
+        _yield_core(waited + 1)
+    message.Recv([bytearray(status.Get_count(MPI.BYTE)), MPI.BYTE])
+
+
+def _routed_comm(shared, name):
+    """The communicator named ``name`` whose agreements route through ``shared`` (this rank's handle of it)."""
+    for handle, (entry, owner, _) in _ROUTES.items():
+        if entry[0] is shared and owner == name:
+            return entry[3][handle]
+    raise RuntimeError(f"no communicator of {name} routes its agreements through {group_name(shared)}")
+
+
 def agree(comm, call, description, flag=False, error=None, mismatch=None, token=0, code=None):
     """Settle one collective call on every rank of ``comm``: return ``flag`` set on any rank, or raise on all.
 
@@ -221,7 +309,8 @@ def forget_timeout(comm):
 
 
 _ROUTES = {}  # handle of a library communicator -> (its shared entry, owner's name, digest of the name)
-_SHARED = {}  # membership (world ranks in rank order) -> [agreement communicator, live comms routed there, membership]
+_SHARED = {}  # membership (world ranks in rank order) -> [agreement communicator, live comms routed there, membership,
+#              {handle: comm} of those comms]
 _OWNERS = [0]  # owners numbered so far, agreed on by the ranks that made each
 
 
@@ -261,10 +350,11 @@ def share_agreements(anchor, comms, label):
         if key in created or reuse:
             shared = created.get(key) or _SHARED[key]
         else:
-            shared = [comm.Dup(), 0, key]
+            shared = [comm.Dup(), 0, key, {}]
             shared[0].Set_name(comm.Get_name())
             _SHARED[key] = created[key] = shared
         shared[1] += 1
+        shared[3][comm.py2f()] = comm
         _ROUTES[comm.py2f()] = (shared, name, digest(name))
     return number
 
@@ -276,6 +366,7 @@ def unshare_agreements(comms):
         if route is None:
             continue
         shared = route[0]
+        shared[3].pop(comm.py2f(), None)
         shared[1] -= 1
         if shared[1] == 0:
             if _SHARED.get(shared[2]) is shared:
@@ -331,14 +422,17 @@ def wait_all(requests, *, comm=None, call="a wait", awaiting=None):
     _wait(requests, comm, call, awaiting, sleep=False)
 
 
-def _wait(requests, comm, call, awaiting, sleep):
-    """Poll ``requests`` until done or past the deadline; ``sleep``: also sleep between polls after 1 ms."""
+def _wait(requests, comm, call, awaiting, sleep, statuses=None):
+    """Poll ``requests`` until done or past the deadline; ``sleep``: also sleep between polls after 1 ms.
+
+    ``statuses``, if given, receive the requests' statuses as they complete.
+    """
     MPI = mpi()
-    if MPI.Request.Testall(requests):
+    if MPI.Request.Testall(requests, statuses):
         return
     start = time.monotonic()
     pause, limit = 0.0, False  # the setting is read once a wait lasts 1 ms, not on the fast path
-    while not MPI.Request.Testall(requests):
+    while not MPI.Request.Testall(requests, statuses):
         waited = time.monotonic() - start
         _yield_core(waited)
         if waited > 0.001:

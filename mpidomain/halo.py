@@ -39,7 +39,7 @@ import numpy as np
 
 from . import devices, plan_cache, transport
 from ._datatypes import block_shape, message, struct_of_blocks
-from ._mpi import Agreement, agreement_code, is_active, mpi, wait_all
+from ._mpi import AheadMessages, Agreement, agreement_code, is_active, mpi, wait_all
 from ._validate import require_manager
 from .halo_layout import HaloLayout
 from .halo_spec import agree_inputs, check_extents, check_tiles, describe, group_mismatch
@@ -496,16 +496,17 @@ def cached_plan(x, halo_width, dim=None, *, periodic=False, boundary=None, manag
     what each rank had. Each manager keeps its own last
     :data:`~mpidomain.plan_cache.CACHE_SIZE` plans.
     """
-    return _settle(x, halo_width, dim, periodic, boundary, manager, call)[0]
+    return _settle(x, halo_width, dim, periodic, boundary, manager, call)[0]  # copy_interior=False: nothing started
 
 
 def _settle(x, halo_width, dim, periodic, boundary, manager, call, out=None, copy_interior=False):
-    """:func:`cached_plan`'s work; return ``(plan, out, views)``.
+    """:func:`cached_plan`'s work; return ``(plan, out, views, started)``.
 
     ``out`` is checked with the arguments (a bad one raises on every rank).
     With ``copy_interior``, a rank that holds a plan for ``x`` copies ``x``
     into ``out`` (a new padded array if None) while the agreement travels;
     ``views`` is then the :meth:`Transport.view` of ``x`` and of ``out`` (else None).
+    If ``started``, the plan's halo transfers into ``out`` are in flight: finish them with ``plan._finish``.
     """
     manager = require_manager(manager, "halo exchange")
     comm = manager.library_comm()
@@ -536,24 +537,33 @@ def _settle(x, halo_width, dim, periodic, boundary, manager, call, out=None, cop
             error = exc
     # A hit counts only if every rank hit the same plan, the one built together with the same tags:
     # after uneven shards, one rank's key can find a plan its neighbour has since replaced.
+    local = copy_interior and plan is not None and error is None and plan.shape == tuple(x.shape)
+    # On a hit of arguments seen before, the halos leave with the agreement instead of after it; the
+    # agreement lets them finish only if every rank did the same, and settles them on every rank otherwise.
+    ahead = AheadMessages(comm, [], []) if local and found is not None and plan._requests else None
     agreement = Agreement(comm, "halo_exchange", signature, plan is None, error, group_mismatch,
-                          -1 if plan is None else plan.tag, code)
-    views = None
-    if copy_interior and plan is not None and error is None and plan.shape == tuple(x.shape):
+                          -1 if plan is None else plan.tag, code, ahead)
+    views, started = None, False
+    if local:
         if out is None:
             out, working = plan._new_padded()
         else:
             working = plan.transport.view(out)
         views = (plan.transport.view(x), working)
+        if agreement.ahead:
+            plan._begin(views[0], plan._send_rows_of_shard, working)
+            ahead.sends = [(m.peer, m.tag, r) for m, r in zip(plan._sends, plan._send_requests)]
+            ahead.receives = [(m.peer, m.tag, r) for m, r in zip(plan._receives, plan._recv_requests)]
+            started = True
         working[plan._interior] = views[0]  # local work under the agreement
     if agreement.result():  # every rank described its arguments, and they agree: build on that
-        plan = HaloPlan._agreed(x, mine, manager)
+        plan, started = HaloPlan._agreed(x, mine, manager), False
         cache.put(key, plan)
     else:
         cache.touch(key)
     if found is None and quick is not None:
         cache.remember(quick, key, (signature, code, mine))
-    return plan, out, views
+    return plan, out, views, started
 
 
 def _check_out(out, x, padded_shape, call):
@@ -627,7 +637,10 @@ def halo_exchange(x, halo_width, dim=None, *, periodic=False, boundary=None, man
         if out is not None:  # the same agreement as the autograd path's, raising on every rank
             _settle(x, halo_width, dim, periodic, boundary, manager, "pad+grad", out)
         return _autograd_function().apply(x, halo_width, dim, periodic, boundary, manager, call)
-    plan, out, views = _settle(x, halo_width, dim, periodic, boundary, manager, "pad", out, copy_interior=True)
+    plan, out, views, started = _settle(x, halo_width, dim, periodic, boundary, manager, "pad", out, copy_interior=True)
+    if started:
+        plan._finish(views[1])
+        return out
     return plan._pad(x, out, views)
 
 

@@ -14,8 +14,10 @@ Each rank holds one shard of the given shape (float32). Rows, per shape and halo
   against the fresh-allocation floor) and ``halo_exchange(x, h, out=padded)`` (against the
   preallocated floor);
 - the same through a held plan, ``plan.pad(x)`` (no per-call agreement step, no cache lookup),
-  and the agreement step alone (one Allreduce of five integers, what every ``halo_exchange``
-  call adds to check the ranks' arguments and settle the plan cache alike);
+  and the agreement step alone (one Allreduce of seven integers, what every ``halo_exchange``
+  call adds to check the ranks' arguments and settle the plan cache alike; on a call with
+  arguments seen before the halos travel while it does, so "pad+exchange / held plan pad" is
+  what the step still costs);
 - the same into a freshly allocated output each call;
 - hand-written mpi4py: pack contiguous halos, Isend/Irecv, then concatenate;
 - CREDIT's exchange on torch.distributed gloo: P2POps, batch_isend_irecv, then torch.cat. It runs in
@@ -257,6 +259,7 @@ def report(shape, h, measured, rows):
         ("mpidomain pad+exchange torch", "mpidomain pad+exchange numpy", at(1.15, not large), "<="),
         ("pad+exchange, fresh output", "mpidomain pad+exchange numpy", None, "<="),
         ("held plan pad", "mpidomain pad+exchange numpy", None, "<="),
+        ("mpidomain pad+exchange numpy", "held plan pad", None, "<="),
         ("agreement step", "mpidomain pad+exchange numpy", None, "<="),
         ("agreement step", "hand-written mpi4py", None, "<="),
         ("CREDIT gloo", "mpidomain pad+exchange torch", (3 if large else 8) if two else None, ">="),
@@ -280,11 +283,15 @@ def report(shape, h, measured, rows):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repetitions", type=int, default=None, help="repetitions per row (default: by size)")
+    parser.add_argument("--shapes", choices=("all", "small", "large"), default="all",
+                        help="which cases to run (small: (2, 16, 64, 128) h=1, e.g. at 8 ranks)")
     args = parser.parse_args()
     torch.set_num_threads(1)  # one core per rank
     manager = mpidomain.initialize_domain_parallel(WORLD.size, WORLD.size)
     rows = []
     cases = [((1, 64, 180, 1440), 1), ((1, 64, 180, 1440), 3), ((2, 16, 64, 128), 1)]
+    if args.shapes != "all":
+        cases = [case for case in cases if (case[0][-2] * case[0][-1] >= 100_000) == (args.shapes == "large")]
     repetitions = [args.repetitions or (20 if shape[-2] * shape[-1] >= 100_000 else 200) for shape, _ in cases]
     measured = [bench(shape, h, n, manager, gloo=False) for (shape, h), n in zip(cases, repetitions)]
     mpidomain.init_torch_distributed(backend="gloo")  # after MPI's rows: gloo's threads share the cores

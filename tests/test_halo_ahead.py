@@ -1,0 +1,110 @@
+"""Halos that leave with the agreement step (a call repeated with arguments seen before).
+
+When every rank agrees, they finish as usual; when the agreement fails (another call, other arguments)
+or some rank misses its cache, every rank's started messages are settled before anything raises or
+builds anew: a message left in flight would land in a later exchange's ghost rows. Each case changes
+the data afterwards, so a stale message would show as wrong rows.
+"""
+
+import numpy as np
+import pytest
+
+import mpidomain
+from mpidomain import _mpi, gather_tensor, halo_exchange
+
+
+@pytest.fixture
+def manager(world, fresh_manager):
+    """The global manager, one domain group of every rank."""
+    return mpidomain.initialize_domain_parallel(world.size, world.size, abort_on_error=False)
+
+
+@pytest.fixture
+def settled(monkeypatch):
+    """Count the times this rank settled messages started ahead of a failed agreement."""
+    calls = []
+    original = _mpi._settle_ahead
+
+    def counting(*arguments):
+        calls.append(arguments[2])
+        return original(*arguments)
+
+    monkeypatch.setattr(_mpi, "_settle_ahead", counting)
+    return calls
+
+
+def shard(world, rows, offset=0.0):
+    """This rank's (2, rows, 8) shard of a field whose values name their global row."""
+    first = sum(world.allgather(rows)[:world.rank])
+    values = np.arange(first, first + rows, dtype=np.float64)[None, :, None] + offset
+    return np.broadcast_to(values, (2, rows, 8)).copy()
+
+
+def padded(world, x, h):
+    """The global field (the ranks' shards stacked along dim -2), zero-padded by ``h`` rows, cut to this rank's rows."""
+    pieces = world.allgather(x)
+    field = np.pad(np.concatenate(pieces, axis=-2), [(0, 0), (h, h), (0, 0)])
+    first = sum(p.shape[-2] for p in pieces[:world.rank])
+    return field[:, first:first + x.shape[-2] + 2 * h]
+
+
+def all_true(world, value):
+    return world.allreduce(bool(value), op=_mpi.mpi().LAND)
+
+
+def needs_two(world):
+    if world.size < 2:
+        pytest.skip("needs 2 ranks: one rank sends no halo")
+
+
+def test_a_repeated_call_finishes_what_it_started(manager, world, settled):
+    needs_two(world)
+    x = shard(world, 4)
+    results = [halo_exchange(x + k, 1) for k in range(3)]  # the first builds; the others go ahead
+    assert all_true(world, all(np.array_equal(r, padded(world, x + k, 1)) for k, r in enumerate(results)))
+    assert settled == []
+
+
+def test_another_call_on_one_rank_settles_the_started_halos(manager, world, settled):
+    needs_two(world)
+    x = shard(world, 4)
+    halo_exchange(x, 1)
+    raised = None
+    try:
+        if world.rank == 0:
+            halo_exchange(x, 1)  # a hit: its halos leave with the agreement
+        else:
+            gather_tensor(x)
+    except RuntimeError as error:
+        raised = str(error)
+    assert all_true(world, raised is not None and "different mpidomain calls" in raised), raised
+    assert all_true(world, settled == ["halo_exchange"] if world.rank == 0 else settled == ["gather_tensor"])
+    y = shard(world, 4, offset=1000.0)
+    assert all_true(world, np.array_equal(halo_exchange(y, 1), padded(world, y, 1)))
+
+
+def test_other_arguments_on_one_rank_settle_the_started_halos(manager, world, settled):
+    needs_two(world)
+    x = shard(world, 4)
+    halo_exchange(x, 1)
+    raised = None
+    try:
+        halo_exchange(x, 2 if world.rank == world.size - 1 else 1)
+    except ValueError as error:
+        raised = str(error)
+    assert all_true(world, raised is not None and "halo_width must be the same on every rank" in raised), raised
+    assert all_true(world, len(settled) == 1)
+    y = shard(world, 4, offset=1000.0)
+    assert all_true(world, np.array_equal(halo_exchange(y, 1), padded(world, y, 1)))
+
+
+def test_a_miss_on_one_rank_settles_the_others_halos_and_builds_anew(manager, world, settled):
+    needs_two(world)
+    x = shard(world, 4)
+    halo_exchange(x, 1)
+    # The last rank's extent changes (uneven shards are legal): it misses, the others hit and go ahead.
+    z = shard(world, 5 if world.rank == world.size - 1 else 4, offset=500.0)
+    assert all_true(world, np.array_equal(halo_exchange(z, 1), padded(world, z, 1)))
+    assert all_true(world, len(settled) == 1)
+    y = shard(world, 4, offset=1000.0)
+    assert all_true(world, np.array_equal(halo_exchange(y, 1), padded(world, y, 1)))
