@@ -665,9 +665,13 @@ def _autograd_function():
 
         @staticmethod
         def forward(ctx, x, halo_width, dim, periodic, boundary, manager, call):
-            plan = cached_plan(x, halo_width, dim, periodic=periodic, boundary=boundary, manager=manager, call=call)
+            plan, out, views, started = _settle(x, halo_width, dim, periodic, boundary, manager, call,
+                                                copy_interior=True)
             ctx.plan_arguments = (halo_width, dim, periodic, boundary, plan.manager, plan.layout.interior)
-            return plan.pad(x)
+            if started:
+                plan._finish(views[1])
+                return out
+            return plan._pad(x, out, views)
 
         @staticmethod
         @torch.autograd.function.once_differentiable

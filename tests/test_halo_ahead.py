@@ -108,3 +108,22 @@ def test_a_miss_on_one_rank_settles_the_others_halos_and_builds_anew(manager, wo
     assert all_true(world, len(settled) == 1)
     y = shard(world, 4, offset=1000.0)
     assert all_true(world, np.array_equal(halo_exchange(y, 1), padded(world, y, 1)))
+
+
+def test_tensors_in_a_graph_go_ahead_and_settle_alike(manager, world, settled):
+    needs_two(world)
+    torch = pytest.importorskip("torch")
+    x = shard(world, 4)
+    for k in range(2):  # the second call goes ahead, in the autograd path too
+        t = torch.tensor(x + k, requires_grad=True)
+        padded_t = halo_exchange(t, 1)
+        padded_t.sum().backward()
+        assert all_true(world, np.array_equal(padded_t.detach().numpy(), padded(world, x + k, 1)))
+    raised = None
+    try:
+        halo_exchange(torch.tensor(x, requires_grad=True), 1 if world.rank else 2)
+    except ValueError as error:
+        raised = str(error)
+    assert all_true(world, raised is not None and len(settled) == 1), (raised, settled)
+    t = torch.tensor(x + 1000.0, requires_grad=True)
+    assert all_true(world, np.array_equal(halo_exchange(t, 1).detach().numpy(), padded(world, x + 1000.0, 1)))
