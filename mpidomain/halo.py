@@ -17,11 +17,12 @@ the domain group, finds the neighbours, and prepares the transfers:
   libraries) and handed to MPI directly when it is CUDA-aware, or staged
   through pinned host buffers otherwise.
 
-On a 2-D decomposition (latitude x longitude tiles), along several dims at
-once, or with ``boundary="earth"``, the plan is a
-:class:`~mpidomain.tile_layout.TileLayout`'s: every block of the padded tile
-(edges and corners) comes from the rank that holds it, one message per peer (its blocks packed together),
-mirrored across the poles for the Earth; the rest is as above.
+Every plan is a :class:`~mpidomain.tile_layout.TileLayout`'s (a slab is a
+grid of tiles with one sharded dim): on a 2-D decomposition (latitude x
+longitude tiles), along several dims at once, or with ``boundary="earth"``,
+every block of the padded tile (edges and corners) comes from the rank that
+holds it, one message per peer (its blocks packed together), mirrored across
+the poles for the Earth.
 
 Every padded array has ``shape[dim] + 2 * halo_width`` rows along ``dim``:
 the neighbours' rows where a neighbour exists, zeros at the outer edges of
@@ -41,8 +42,7 @@ from . import devices, plan_cache, transport
 from ._datatypes import block_shape, message, struct_of_blocks
 from ._mpi import AheadMessages, Agreement, agreement_code, is_active, mpi, wait_all
 from ._validate import require_manager
-from .halo_layout import HaloLayout
-from .halo_spec import agree_inputs, check_extents, check_tiles, describe, group_mismatch
+from .halo_spec import agree_inputs, check_tiles, describe, group_mismatch
 from .tile_layout import TileLayout
 
 __all__ = ["HaloPlan", "halo_exchange"]
@@ -68,8 +68,12 @@ class HaloPlan:
     :meth:`adjoint` are collective too: all ranks of the group call them in the
     same order. Free the plan with :meth:`free` or a ``with`` block; closing
     the manager frees it as well. ``plan.layout`` (a
-    :class:`~mpidomain.halo_layout.HaloLayout`) says which rows go where;
-    ``plan.transport`` how they reach MPI.
+    :class:`~mpidomain.tile_layout.TileLayout`) says which rows go where;
+    ``plan.transport`` how they reach MPI. ``plan.dim``, ``plan.halo_width``
+    and ``plan.periodic`` are the arguments, normalised (one value per padded
+    dim, the value itself along one dim); ``plan.neighbors`` the ``(previous,
+    next)`` rank along each padded dim (a pair along one dim), None at an edge
+    that is not periodic.
 
     With tiles (a manager of ``(D_lat, D_lon)``) or ``boundary="earth"``, the
     halos are padded along each of the dims (default: the manager's
@@ -117,24 +121,18 @@ class HaloPlan:
         self.dtype = x.dtype
         self.shape = tuple(int(n) for n in x.shape)
         self.boundary = mine.boundary
-        if mine.tiled:  # tiles, several dims or the Earth: a TileLayout
-            extents, coords = check_tiles(comm, mine, manager)
-            self.dim, self.halo_width, self.periodic = mine.dim, mine.halo_width, mine.boundaries
-            self.sharded = True
-            layout = TileLayout(self.shape, self.dim, self.halo_width, self.periodic, extents, coords)
-            # Tags the same on every rank, as many as the most blocks one rank takes from another.
-            layout = dataclasses.replace(layout, tag=manager.allocate_tags(max(layout.tags, 1)))
-        else:
-            check_extents(comm, mine)
-            self.dim, self.halo_width, self.periodic = mine.dim, mine.halo_width, mine.periodic
-            # Along a dimension the group does not shard, every rank holds all of it: pad locally.
-            self.sharded = _is_sharded(manager, self.dim, len(self.shape))
-            size, rank = (comm.Get_size(), comm.Get_rank()) if self.sharded else (1, 0)
-            # Two tags, the same on every rank: they name the plan (halo_exchange's cache agrees on them).
-            layout = HaloLayout(self.shape, self.dim, self.halo_width, self.periodic, size, rank,
-                                manager.allocate_tags(2))
+        # The call's dim, halo_width and periodic, normalised: one value per padded dim (one dim: the value).
+        self.dim, self.halo_width, self.periodic = mine.arguments()
+        extents, coords = check_tiles(comm, mine, manager)
+        layout = TileLayout(self.shape, mine.dims, mine.widths, mine.modes, extents, coords)
+        # Tags the same on every rank, as many as the most blocks one rank takes from another: they name
+        # the plan (halo_exchange's cache agrees on them).
+        layout = dataclasses.replace(layout, tag=manager.allocate_tags(max(layout.tags, 1)))
         self.layout = layout
-        self.tag, self.padded_shape, self.neighbors = layout.tag, layout.padded_shape, layout.neighbors
+        self.tag, self.padded_shape = layout.tag, layout.padded_shape
+        # (previous, next) rank along each padded dim (one dim: the pair), None at an edge that is not periodic.
+        pairs = tuple(layout.neighbors_along(mine.dims.index(d)) for d in mine.exchanged)
+        self.neighbors = pairs[0] if len(pairs) == 1 else pairs
         self.transport = transport.transport_for(x)
         self._comm = comm  # the manager's private duplicate: no user message can match a halo
         self._device = devices.is_device_array(x)
@@ -465,12 +463,6 @@ def _awaiting(receives, sends):
     """What each request of a transfer (receives first, then sends) waits for, in words, for a timeout's message."""
     return ([f"the message from domain rank {m.peer} (tag {m.tag})" for m in receives]
             + [f"domain rank {m.peer} to take this rank's message (tag {m.tag})" for m in sends])
-
-
-def _is_sharded(manager, dim, ndim):
-    """True if normalised ``dim`` of an ``ndim``-d array is the one ``manager`` shards."""
-    shard_dim = manager.shard_dim
-    return -ndim <= shard_dim < ndim and dim == shard_dim % ndim
 
 
 def _quick_key(x, halo_width, dim, periodic, boundary, call):

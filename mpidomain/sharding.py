@@ -1,9 +1,12 @@
-"""Cut arrays into latitude shards, and bring shards together or apart over MPI.
+"""Cut arrays into latitude shards (or latitude x longitude tiles), and bring them together or apart over MPI.
 
 ``shard_tensor`` and ``shard_batch`` are local (no communication): every rank
 slices the same full array. ``gather_tensor`` and ``scatter_tensor`` move data
-over the manager's domain communicator. Splits are balanced: ``extent`` rows
-over ``D`` ranks give the first ``extent % D`` ranks one row more.
+over the manager's domain communicator, checked once across the whole domain
+group for slabs and tiles alike (a slab is a tile of a grid with one sharded
+dim); tiles then move along longitude and latitude in turn. Splits are
+balanced: ``extent`` rows over ``D`` ranks give the first ``extent % D``
+ranks one row more.
 
 On the wire every shard travels as its own contiguous bytes. Host arrays are
 placed straight into the full array by MPI derived datatypes (one strided
@@ -272,82 +275,63 @@ def _out_mismatch(function, outs, expected):
     return ValueError(f"{function}: out does not fit the result on every rank: {listing}; pass out=None or such an array")
 
 
-def _shards_mismatch(reports, dim_arg):
-    """Return a ValueError if the ranks' (shape, spec, dim) cannot be joined along dim, else None."""
-    shapes = [report[0] for report in reports]
-    listing = ", ".join(f"rank {r}: shape {s} {t.dtype} dim {d}" for r, (s, t, d, _) in enumerate(reports))
-    if len({len(s) for s in shapes}) > 1 or len({report[2] for report in reports}) > 1:
-        return ValueError(
-            f"gather_tensor needs the same number of dimensions and the same dim on every rank "
-            f"(dim={dim_arg} here), got {listing}; pass shards of one array and the same dim"
-        )
-    dim = reports[0][2]
-    if len({s[:dim] + s[dim + 1:] for s in shapes}) > 1 or len({report[1].dtype for report in reports}) > 1:
-        return ValueError(
-            f"gather_tensor needs the same dtype and the same extents outside dim {dim} on every rank, "
-            f"got {listing}; pass shards of one array, split only along dim"
-        )
-    return None
+def _tiles_mismatch(reports, dim_arg, manager):
+    """Return a ValueError if the ranks' (shape, spec, dims, out) tiles cannot be joined into one array, else None.
 
-
-def _agreed_shards(comm, x, dim, out):
-    """Check ``x``, ``dim`` and ``out`` on every rank of ``comm``; return ``(dim, counts)`` or raise on all ranks."""
-    def describe():
-        spec = devices.array_spec(x)  # first: a non-array is a TypeError here, not an AttributeError on .shape
-        return tuple(x.shape), spec, normalize_dim(dim, x.shape), _out_report(out)
-
-    reports = _exchange_reports(comm, "gather_tensor", describe)
-    error = _shards_mismatch(reports, dim)
-    if error is not None:
-        raise error
-    dim = reports[0][2]
-    counts = [report[0][dim] for report in reports]
-    full = tuple(reports[0][0][:dim]) + (sum(counts),) + tuple(reports[0][0][dim + 1:])
-    error = _out_mismatch("gather_tensor", [report[3] for report in reports], [(report[1], full) for report in reports])
-    if error is not None:
-        raise error
-    return dim, counts
-
-
-def _tiles_mismatch(reports, dim_arg, manager, function):
-    """Return a ValueError if the ranks' (shape, spec, dims, out) tiles cannot be joined, else None."""
-    listing = ", ".join(f"rank {r}: shape {s} {t.dtype} dims {d}" for r, (s, t, d, _) in enumerate(reports))
+    ``dims`` (a tuple: one dim for slabs, latitude and longitude for tiles) is
+    the same on every rank; along each, the tiles of one coordinate of the
+    manager's grid share their extent (slabs: one rank per coordinate, any
+    extents); all else is alike on every rank.
+    """
+    slabs = len(manager.domain_shape) == 1
+    listing = ", ".join(f"rank {r}: shape {s} {t.dtype} {'dim' if slabs else 'dims'} {d[0] if slabs else d}"
+                        for r, (s, t, d, _) in enumerate(reports))
     shapes = [report[0] for report in reports]
     if len({len(s) for s in shapes}) > 1 or len({report[2] for report in reports}) > 1:
-        return ValueError(f"{function} needs the same number of dimensions and the same dim on every rank "
-                          f"(dim={dim_arg} here), got {listing}; pass tiles of one array and the same dim")
-    lat, lon = reports[0][2]
-    outside = {s[:lat] + s[lat + 1:lon] + s[lon + 1:] for s in shapes}
+        return ValueError(f"gather_tensor needs the same number of dimensions and the same dim on every rank "
+                          f"(dim={dim_arg} here), got {listing}; pass {'shards' if slabs else 'tiles'} of one array "
+                          "and the same dim")
+    dims = reports[0][2]
+    outside = {tuple(n for i, n in enumerate(s) if i not in dims) for s in shapes}
     coords = [manager.domain_coords_of(r) for r in range(len(reports))]
-    bands = {(c[0], s[lat]) for c, s in zip(coords, shapes)}
-    columns = {(c[1], s[lon]) for c, s in zip(coords, shapes)}
+    along = [{(c[k], s[d]) for c, s in zip(coords, shapes)} for k, d in enumerate(dims)]  # (coordinate, extent)
     if (len(outside) > 1 or len({report[1].dtype for report in reports}) > 1
-            or len(bands) != manager.domain_shape[0] or len(columns) != manager.domain_shape[1]):
-        return ValueError(f"{function} needs tiles of one array: the same dtype and extents outside dims "
-                          f"{(lat, lon)}, one latitude extent per row of tiles and one longitude extent per column, "
-                          f"got {listing}; pass tiles that shard_tensor(x, dim={dim_arg}) would make")
+            or any(len(pairs) != parts for pairs, parts in zip(along, manager.domain_shape))):
+        return ValueError(
+            f"gather_tensor needs the same dtype and the same extents outside dim {dims[0]} on every rank, got "
+            f"{listing}; pass shards of one array, split only along dim" if slabs else
+            f"gather_tensor needs tiles of one array: the same dtype and extents outside dims {dims}, one latitude "
+            f"extent per row of tiles and one longitude extent per column, got {listing}; pass tiles that "
+            f"shard_tensor(x, dim={dim_arg}) would make")
     full = list(shapes[0])
-    full[lat], full[lon] = sum(n for _, n in bands), sum(n for _, n in columns)
-    return _out_mismatch(function, [report[3] for report in reports],
+    for d, pairs in zip(dims, along):
+        full[d] = sum(n for _, n in pairs)
+    return _out_mismatch("gather_tensor", [report[3] for report in reports],
                          [(report[1], tuple(full)) for report in reports])
 
 
-def _gather_tiles(manager, x, dim, out):
-    """gather_tensor on tiles: along longitude within each band of tiles, then along latitude."""
+def _agreed_tiles(comm, manager, x, dim, out):
+    """Check ``x``, ``dim`` and ``out`` on every rank of the domain group; return the normalised dims and,
+    per dim, the extent of each coordinate's tiles. Raise on every rank otherwise; collective."""
     def describe():
-        spec = devices.array_spec(x)
-        dims = tuple(normalize_dim(d, x.shape) for d in dim)
-        if dims[0] >= dims[1]:
+        spec = devices.array_spec(x)  # first: a non-array is a TypeError here, not an AttributeError on .shape
+        dims = tuple(normalize_dim(d, x.shape) for d in (dim if isinstance(dim, tuple) else (dim,)))
+        if len(dims) == 2 and dims[0] >= dims[1]:
             raise ValueError(f"gather_tensor: dim={dim} must be latitude then longitude, e.g. (-2, -1)")
         return tuple(x.shape), spec, dims, _out_report(out)
 
-    reports = _exchange_reports(library_comm(manager), "gather_tensor", describe)
-    error = _tiles_mismatch(reports, dim, manager, "gather_tensor")
+    reports = _exchange_reports(comm, "gather_tensor", describe)
+    error = _tiles_mismatch(reports, dim, manager)
     if error is not None:
         raise error
-    lat, lon = reports[0][2]
-    band = _gather(library_comm(manager, "band"), x, lon, None)
-    return _gather(library_comm(manager, "column"), band, lat, out)
+    dims = reports[0][2]
+    extents = []
+    for k, d in enumerate(dims):
+        sizes = [0] * manager.domain_shape[k]
+        for rank, report in enumerate(reports):
+            sizes[manager.domain_coords_of(rank)[k]] = report[0][d]
+        extents.append(sizes)
+    return dims, extents
 
 
 def gather_tensor(x, dim=None, manager=None, *, out=None):
@@ -369,15 +353,16 @@ def gather_tensor(x, dim=None, manager=None, *, out=None):
         devices.array_kind(x)  # a non-array is a mistake with one rank too
         return x if out is None else devices.assign(out, x)
     comm = library_comm(manager)
-    dim = _agreed_dims(comm, manager, dim, "gather_tensor")
-    if isinstance(dim, tuple):
-        return _gather_tiles(manager, x, dim, out)
-    return _gather(comm, x, dim, out)
+    dims, extents = _agreed_tiles(comm, manager, x, _agreed_dims(comm, manager, dim, "gather_tensor"), out)
+    if len(dims) == 1:
+        return _gather(comm, x, dims[0], extents[0], out)
+    # Tiles: along longitude within each band of tiles, then along latitude.
+    band = _gather(library_comm(manager, "band"), x, dims[1], extents[1], None)
+    return _gather(library_comm(manager, "column"), band, dims[0], extents[0], out)
 
 
-def _gather(comm, x, dim, out):
-    """gather_tensor's all-gather of shards along one ``dim`` over ``comm``."""
-    dim, counts = _agreed_shards(comm, x, dim, out)
+def _gather(comm, x, dim, counts, out):
+    """gather_tensor's all-gather of shards of ``counts`` rows (by rank of ``comm``) along one ``dim`` over ``comm``."""
     rank = comm.Get_rank()
     offsets = list(itertools.accumulate([0] + counts[:-1]))
     full_shape = tuple(x.shape[:dim]) + (sum(counts),) + tuple(x.shape[dim + 1:])
@@ -442,11 +427,10 @@ def _gather_device(comm, x, dim, counts, offsets, outer, row_elements, send_type
     return _concatenate(blocks, dim, out)
 
 
-def _scatter_plan(comm, x, dim, root, out, manager=None):
-    """Check the arguments on every rank; return the root's ``(spec, shape, dim)`` or raise on all ranks.
-
-    With ``manager`` (tiles), ``dim`` is a pair and each rank's ``out`` is checked against its tile.
-    """
+def _scatter_plan(comm, x, dim, root, out, manager):
+    """Check the arguments on every rank of the domain group; return the root's ``(spec, shape, dims)`` or raise
+    on all ranks. ``dims`` is a tuple (one dim for slabs, a pair for tiles); each rank's ``out`` is checked
+    against its tile."""
     rank, size = comm.Get_rank(), comm.Get_size()
 
     def describe():
@@ -460,8 +444,8 @@ def _scatter_plan(comm, x, dim, root, out, manager=None):
                     f"scatter_tensor got x=None on the root (domain rank {root}); the root must pass the full "
                     "array, the other ranks pass None"
                 )
-            dims = tuple(normalize_dim(d, x.shape) for d in dim) if manager else normalize_dim(dim, x.shape)
-            if manager and dims[0] >= dims[1]:
+            dims = tuple(normalize_dim(d, x.shape) for d in (dim if isinstance(dim, tuple) else (dim,)))
+            if len(dims) == 2 and dims[0] >= dims[1]:
                 raise ValueError(f"scatter_tensor: dim={dim} must be latitude then longitude, e.g. (-2, -1)")
             plan = (devices.array_spec(x), tuple(x.shape), dims)
         return root, dim, plan, _out_report(out)
@@ -470,21 +454,20 @@ def _scatter_plan(comm, x, dim, root, out, manager=None):
     if len({(r, d) for r, d, _, _ in reports}) > 1:
         listing = ", ".join(f"rank {r}: root={o} dim={d}" for r, (o, d, _, _) in enumerate(reports))
         raise ValueError(f"scatter_tensor needs the same root and dim on every rank, got {listing}")
-    spec, shape, dim = reports[root][2]
-    if manager is None:
-        counts, _ = balanced_split(shape[dim], size)
-        expected = [(spec, shape[:dim] + (count,) + shape[dim + 1:]) for count in counts]
-    else:
-        expected = []
-        for r in range(size):
-            tile = list(shape)
-            for d, parts, c in zip(dim, manager.domain_shape, manager.domain_coords_of(r)):
-                tile[d] = balanced_split(shape[d], parts)[0][c]
-            expected.append((spec, tuple(tile)))
-    error = _out_mismatch("scatter_tensor", [report[3] for report in reports], expected)
+    spec, shape, dims = reports[root][2]
+    error = _out_mismatch("scatter_tensor", [report[3] for report in reports],
+                          [(spec, _tile_shape(shape, dims, manager, r)) for r in range(size)])
     if error is not None:
         raise error
-    return spec, shape, dim
+    return spec, shape, dims
+
+
+def _tile_shape(shape, dims, manager, rank):
+    """The shape of domain rank ``rank``'s tile of an array of ``shape`` split along ``dims`` as :func:`balanced_split`."""
+    tile = list(shape)
+    for d, parts, c in zip(dims, manager.domain_shape, manager.domain_coords_of(rank)):
+        tile[d] = balanced_split(shape[d], parts)[0][c]
+    return tuple(tile)
 
 
 def scatter_tensor(x, dim=None, root=0, manager=None, *, out=None):
@@ -510,19 +493,21 @@ def scatter_tensor(x, dim=None, root=0, manager=None, *, out=None):
         return x
     comm = library_comm(manager)
     dim = _agreed_dims(comm, manager, dim, "scatter_tensor")
-    if not isinstance(dim, tuple):
-        return _scatter(comm, x, dim, root, out)
-    _, _, (lat, lon) = _scatter_plan(comm, x, dim, root, out, manager)
-    # Along latitude within the root's column of tiles, then along longitude within each band.
+    spec, shape, dims = _scatter_plan(comm, x, dim, root, out, manager)
+    if len(dims) == 1:
+        return _scatter(comm, x, spec, shape, dims[0], root, out)
+    # Tiles: along latitude within the root's column of tiles, then along longitude within each band.
+    lat, lon = dims
     root_lat, root_lon = manager.domain_coords_of(root)
     i_lat, i_lon = manager.domain_coords
-    slab = _scatter(library_comm(manager, "column"), x, lat, root_lat, None) if i_lon == root_lon else None
-    return _scatter(library_comm(manager, "band"), slab, lon, root_lon, out)
+    slab = _scatter(library_comm(manager, "column"), x, spec, shape, lat, root_lat, None) if i_lon == root_lon else None
+    band = shape[:lat] + (balanced_split(shape[lat], manager.domain_shape[0])[0][i_lat],) + shape[lat + 1:]
+    return _scatter(library_comm(manager, "band"), slab, spec, band, lon, root_lon, out)
 
 
-def _scatter(comm, x, dim, root, out):
-    """scatter_tensor along one ``dim`` over ``comm`` from its rank ``root``."""
-    spec, shape, dim = _scatter_plan(comm, x, dim, root, out)
+def _scatter(comm, x, spec, shape, dim, root, out):
+    """scatter_tensor of an array of ``spec`` and ``shape`` (``x`` on the root) along one ``dim`` over ``comm``
+    from its rank ``root``."""
     rank = comm.Get_rank()
     counts, offsets = balanced_split(shape[dim], comm.Get_size())
     outer, row_elements = math.prod(shape[:dim]), math.prod(shape[dim + 1:])

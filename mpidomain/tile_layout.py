@@ -1,8 +1,12 @@
-"""Where the halos of a tile come from: pure arithmetic for exchanges along several dims.
+"""Where the halos of an exchange come from and go to: pure arithmetic, no MPI, no arrays.
 
-A rank's padded tile is the padded *global* field cut to the tile and its
-halos. Along each dim of the grid a padded global index ``p`` maps to a row
-of the global field, or to nothing (zeros):
+The one layout of every halo exchange: a rank's array is a tile of a grid,
+sharded along some dims (a latitude slab is a grid with one sharded dim) and
+padded along some (a dim only padded is one the group does not shard: every
+rank holds all of it, and its halo is a local pad). A rank's padded tile is
+the padded *global* field cut to the tile and its halos. Along each dim of
+the grid a padded global index ``p`` maps to a row of the global field, or to
+nothing (zeros):
 
 - ``"zeros"``: ``p`` itself inside the field, nothing outside;
 - ``"periodic"``: ``p`` modulo the extent;
@@ -14,9 +18,10 @@ So ``boundary="earth"`` is ``("fold", "periodic")``, and equals CREDIT's
 ``TensorPadding(mode="earth")`` on the global field. Each padded tile splits
 into rectangular :class:`Piece` s, each a block of one rank's tile (mirrored or
 not), a block of zeros, or the tile itself. :class:`TileLayout` turns them into
-the messages :class:`mpidomain.HaloPlan` moves, with the same fields as
-:class:`~mpidomain.halo_layout.HaloLayout`'s; tests/test_tile_layout.py checks
-it against padded global fields in one process.
+the :class:`Message` s :class:`mpidomain.HaloPlan` moves, the ghost blocks of
+zeros and the local copies; tests/test_tile_layout.py (grids, the Earth) and
+tests/test_halo_layout.py (slabs of every group size) check it against padded
+global fields in one process.
 """
 
 import bisect
@@ -25,11 +30,23 @@ import itertools
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
-from .halo_layout import Message
-
-__all__ = ["Piece", "TileLayout", "MODES"]
+__all__ = ["Message", "Piece", "TileLayout", "MODES"]
 
 MODES = ("zeros", "periodic", "fold")
+
+
+@dataclass(frozen=True)
+class Message:
+    """One halo message seen from this rank: the other rank, the tag, and the block of the padded tile.
+
+    ``rows`` is an index of the padded tile; ``flip`` the dims along which a sent
+    block is mirrored while packing (the Earth's pole fold).
+    """
+
+    peer: int
+    tag: int
+    rows: tuple
+    flip: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -62,11 +79,17 @@ class _Run:
 class TileLayout:
     """The pieces and messages of one rank's halo exchange along the ``dims`` of a grid of tiles.
 
+    A slab of a latitude-sharded field padded along latitude is ``dims=(2,)``,
+    ``extents=((181, 180, 180, 180),)``, ``coords=(rank,)``; padded along
+    longitude instead (a local pad), ``dims=(2, 3)``, ``halo_widths=(0, h)``,
+    ``extents=((181, 180, 180, 180), (1440,))``.
+
     :param shape: This rank's tile (the unpadded local array).
     :param dims: The grid's dims (normalised, increasing): the exchanged dims and the sharded ones.
     :param halo_widths: Ghost rows on each side, per dim (0 along a dim only sharded).
     :param modes: Per dim, one of :data:`MODES`; a ``"fold"`` dim needs a next dim to turn along.
-    :param extents: Per dim, the extent of every grid coordinate's tiles (one entry: unsharded).
+    :param extents: Per dim, the extent of every grid coordinate's tiles (one entry: unsharded, this rank's
+        own extent where no rows travel between ranks).
     :param coords: This rank's grid coordinate per dim; ranks are row-major over the grid.
     :param tag: The first tag; messages between a pair take ``tag``, ``tag + 1``, ...
     """
@@ -209,7 +232,7 @@ class TileLayout:
         flip = tuple(d for d, r in zip(self.dims, runs) if r.step == -1)
         return Piece(rows, tuple(r.owner for r in runs), self._index(source), flip)
 
-    # -- messages (HaloLayout's fields) ------------------------------------------
+    # -- messages ----------------------------------------------------------------
     @property
     def _moves(self):
         return any(self.halo_widths) and all(self.padded_shape)
@@ -286,3 +309,21 @@ class TileLayout:
     def neighbors(self):
         """The ranks this rank exchanges with."""
         return tuple(sorted({m.peer for m in self.receives + self.sends}))
+
+    def neighbors_along(self, k):
+        """``(previous, next)``: the ranks of the tiles before and after this one along grid dim ``k``.
+
+        At this rank's coordinates along the other dims; wrapped along a
+        ``"periodic"`` dim (one tile: this rank itself), None at the edges of
+        any other (zeros, or beyond a pole).
+        """
+        count, c = self.grid[k], self.coords[k]
+
+        def at(i):
+            if not 0 <= i < count:
+                if self.modes[k] != "periodic":
+                    return None
+                i %= count
+            return self.rank_of(self.coords[:k] + (i,) + self.coords[k + 1:])
+
+        return at(c - 1), at(c + 1)
