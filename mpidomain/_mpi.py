@@ -149,9 +149,10 @@ class Agreement:
                  ahead=None):
         # Through the communicator the library comms of this membership share: there, a rank using
         # another manager (another owner) in this call meets this one instead of waiting elsewhere.
-        shared, self._owner, mark = _ROUTES.get(comm.py2f(), ([comm], None, 0))
+        given, handle = comm, comm.py2f()
+        shared, self._owner, mark = _ROUTES.get(handle, ([comm], None, 0))
         agreement_comm = shared[0]
-        if comm.py2f() in _TIMED_OUT or agreement_comm.py2f() in _TIMED_OUT:
+        if _TIMED_OUT and (handle in _TIMED_OUT or agreement_comm.py2f() in _TIMED_OUT):
             raise RuntimeError(
                 f"{call}: an earlier mpidomain call on this group timed out waiting for the other ranks, so the "
                 "group's ranks are no longer in step; end the job (and fix the call only some ranks made)"
@@ -163,8 +164,9 @@ class Agreement:
         if code is None or error is not None:
             code = digest((call, description, local))
         # Messages the caller may start before the result, if they travel where this agreement can settle them.
-        route = None if ahead is None or error is not None else _ROUTES.get(ahead.comm.py2f())
-        self._ahead = (ahead, route[1]) if route is not None and route[0][0] is comm else None
+        route = None if ahead is None or error is not None else (
+            (shared, self._owner) if ahead.comm is given else _ROUTES.get(ahead.comm.py2f()))
+        self._ahead = (ahead, route[1]) if route is not None and route[0][0] is comm and len(route[0]) > 1 else None
         self.ahead = self._ahead is not None
         self._values = _agreement_values(None, flag, token, code ^ mark, self.ahead)
         self._request = comm.Iallreduce(mpi().IN_PLACE, self._values, op=mpi().MAX)

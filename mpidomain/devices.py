@@ -114,13 +114,14 @@ def mpi_buffer(x):
     """
     if type(x) is np.ndarray:
         return x
+    torch = sys.modules.get("torch")
+    if (torch is not None and type(x) is torch.Tensor and x.is_cpu and x.layout is torch.strided and not x.requires_grad
+            and x.dtype is not torch.bfloat16 and not (x.is_conj() or x.is_neg())):
+        return x.numpy()  # the common case, quickly
     kind = array_kind(x)
     if kind == "numpy":
         return x
     if kind == "torch":
-        torch = sys.modules["torch"]
-        if x.is_cpu and not x.requires_grad and x.dtype is not torch.bfloat16 and not (x.is_conj() or x.is_neg()):
-            return x.numpy()  # the common case, quickly
         x = x.detach().resolve_conj().resolve_neg()  # a copy for lazy conjugate/negative views: read only
         if x.device.type == "cpu":
             if x.dtype == sys.modules["torch"].bfloat16:

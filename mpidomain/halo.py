@@ -168,7 +168,16 @@ class HaloPlan:
             comm.Recv_init(message(buffer), source=m.peer, tag=m.tag)
             for m, buffer in zip(self._receives, self._recv_buffers)]
         self._requests = self._recv_requests + self._send_requests
+        self._messages = None
         plan_cache.register(self)
+
+    def _started_messages(self):
+        """Return (sends, receives): ``(peer, tag, request)`` of each transfer :meth:`_begin` starts."""
+        if self._messages is None or self._messages[0] is not self._recv_requests:  # receives rebound
+            self._messages = (self._recv_requests,
+                              [(m.peer, m.tag, r) for m, r in zip(self._sends, self._send_requests)],
+                              [(m.peer, m.tag, r) for m, r in zip(self._receives, self._recv_requests)])
+        return self._messages[1], self._messages[2]
 
     def interior(self, padded):
         """Return the view of ``padded``'s local rows (everything but the ghost rows)."""
@@ -390,7 +399,7 @@ class HaloPlan:
                     request.Free()
             for datatype in self._recv_types:
                 datatype.Free()
-        self._requests, self._recv_types = [], []
+        self._requests, self._recv_types, self._messages = [], [], None
         self._send_buffers = self._recv_buffers = self._send_views = self._recv_views = self._like = None
 
     def __del__(self):
@@ -544,8 +553,7 @@ def _settle(x, halo_width, dim, periodic, boundary, manager, call, out=None, cop
         views = (plan.transport.view(x), working)
         if agreement.ahead:
             plan._begin(views[0], plan._send_rows_of_shard, working)
-            ahead.sends = [(m.peer, m.tag, r) for m, r in zip(plan._sends, plan._send_requests)]
-            ahead.receives = [(m.peer, m.tag, r) for m, r in zip(plan._receives, plan._recv_requests)]
+            ahead.sends, ahead.receives = plan._started_messages()
             started = True
         working[plan._interior] = views[0]  # local work under the agreement
     if agreement.result():  # every rank described its arguments, and they agree: build on that
