@@ -218,8 +218,10 @@ def test_tile_dataset_stacks_normalised_channels_and_splits_samples_over_data_pa
         if any(m != theirs for m in mine):
             problems.append(f"data-parallel rank {dp_rank}'s domain group read different indices: {mine}")
     per_replica = {r: tuple(i) for r, i in everyone}
-    flat = sorted(i for indices in per_replica.values() for i in indices)
-    if len(per_replica) > 1 and flat != list(range(len(flat))):
+    flat = [i for indices in per_replica.values() for i in indices]
+    replicas, count = len(per_replica), len(samples)
+    # Every sample once; DistributedSampler repeats the first ones to give each replica ceil(count / replicas).
+    if replicas > 1 and (sorted(set(flat)) != list(range(count)) or len(flat) != replicas * -(-count // replicas)):
         problems.append(f"the data-parallel ranks' indices overlap or miss samples: {per_replica}")
     assert not problems, problems
 

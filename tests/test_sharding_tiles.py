@@ -71,7 +71,7 @@ def test_mistakes_raise_the_same_error_on_every_rank(world):
     """An int dim on tiles, a pair on slabs, ranks disagreeing on dim, tiles of different arrays."""
     if world.size < 2:
         pytest.skip("a domain of one rank shards nothing")
-    full = np.zeros((1, 1, 8, 8))
+    full = np.zeros((1, 1, 8, 12))  # 12 columns: even tiles for 1 to 4 ranks
     with DomainParallelManager(world.size, (1, world.size), (-2, -1)) as manager:
         tile = shard_tensor(full, manager=manager)
         cases = {
