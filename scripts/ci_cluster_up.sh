@@ -40,12 +40,12 @@
 # Usage: ci_cluster_up.sh [NODES]
 # Environment: MPIDOMAIN_CLUSTER_NODES (node count, default 2; the argument wins),
 #              MPIDOMAIN_CLUSTER_CPUS (CPUs each node declares, default 4),
-#              MPIDOMAIN_CLUSTER_RATE (each node's link, tc tbf on its eth0, default 4gbit).
+#              MPIDOMAIN_CLUSTER_RATE (each node's link, tc tbf on its eth0, default 1gbit).
 set -euo pipefail
 
 nodes="${1:-${MPIDOMAIN_CLUSTER_NODES:-2}}"
 cpus="${MPIDOMAIN_CLUSTER_CPUS:-4}"
-rate="${MPIDOMAIN_CLUSTER_RATE:-4gbit}"
+rate="${MPIDOMAIN_CLUSTER_RATE:-1gbit}"
 case "$nodes" in ''|*[!0-9]*) echo "ci_cluster_up: node count must be a number, got '$nodes'" >&2; exit 2 ;; esac
 if [ "$nodes" -lt 1 ] || [ "$nodes" -gt 50 ]; then
   echo "ci_cluster_up: node count must be 1 to 50, got $nodes" >&2; exit 2
@@ -135,7 +135,7 @@ for k in $(seq 0 $((nodes - 1))); do
   ip -n "$ns" link set eth0 up
   # A network slower than a node's shared memory, as on a real cluster: over a bare veth, libfabric's tcp
   # moves about 4 GB/s, as fast as a shared-memory pair, and mpidomain check's slowest link is then a toss-up.
-  ip netns exec "$ns" tc qdisc replace dev eth0 root tbf rate "$rate" burst 4mb latency 100ms
+  ip netns exec "$ns" tc qdisc replace dev eth0 root tbf rate "$rate" burst 256kb latency 100ms
   # The UTS and mount namespaces: a bind mount of each on a file keeps it alive.
   if ! nsenter --uts="$state/ns/uts-$ns" --mount="$state/ns/mnt-$ns" true 2>/dev/null; then
     stop_pidfile "$state/slurmd-$ns.pid"; stop_holder "$ns"
