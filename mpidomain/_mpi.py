@@ -136,7 +136,7 @@ class Agreement:
     run between the halves, overlapping the agreement's latency.
 
     ``ahead`` (:class:`AheadMessages`, optional) are the messages of the call
-    itself, which the caller would start before the result: if ``self.ahead``
+    itself on ``comm``, which the caller would start before the result: if ``self.ahead``
     is True it must start them at once. :meth:`result` then returns False (go
     on: finish them) only if every rank agreed and went ahead alike; in every
     other case it first settles all ranks' started messages (each receive
@@ -149,7 +149,7 @@ class Agreement:
                  ahead=None):
         # Through the communicator the library comms of this membership share: there, a rank using
         # another manager (another owner) in this call meets this one instead of waiting elsewhere.
-        given, handle = comm, comm.py2f()
+        handle = comm.py2f()
         shared, self._owner, mark = _ROUTES.get(handle, ([comm], None, 0))
         agreement_comm = shared[0]
         if _TIMED_OUT and (handle in _TIMED_OUT or agreement_comm.py2f() in _TIMED_OUT):
@@ -163,10 +163,9 @@ class Agreement:
         local = None if error is None else f"{type(error).__name__}: {error}"
         if code is None or error is not None:
             code = digest((call, description, local))
-        # Messages the caller may start before the result, if they travel where this agreement can settle them.
-        route = None if ahead is None or error is not None else (
-            (shared, self._owner) if ahead.comm is given else _ROUTES.get(ahead.comm.py2f()))
-        self._ahead = (ahead, route[1]) if route is not None and route[0][0] is comm and len(route[0]) > 1 else None
+        # Messages on ``comm`` the caller may start before the result: only where the ranks that could be sent
+        # them meet in this agreement (a shared route), so that a failure can settle them.
+        self._ahead = (ahead, self._owner) if ahead is not None and error is None and self._owner is not None else None
         self.ahead = self._ahead is not None
         self._values = _agreement_values(None, flag, token, code ^ mark, self.ahead)
         self._request = comm.Iallreduce(mpi().IN_PLACE, self._values, op=mpi().MAX)
@@ -214,15 +213,14 @@ class Agreement:
 
 
 class AheadMessages:
-    """Messages a call started before its :class:`Agreement` settled: ``comm``, and the started requests.
+    """Messages a call started on its :class:`Agreement`'s communicator before the agreement settled.
 
-    ``sends`` and ``receives``: lists of ``(peer, tag, request)`` (persistent
-    requests, started, or None when not started). ``comm`` must be a communicator
-    whose agreements are shared (a manager's private one).
+    ``sends`` and ``receives``: lists of ``(peer, tag, request)``, the started
+    requests; the caller fills them in once it started them.
     """
 
-    def __init__(self, comm, sends, receives):
-        self.comm, self.sends, self.receives = comm, sends, receives
+    def __init__(self):
+        self.sends, self.receives = [], []
 
 
 def _settle_ahead(comm, ahead, call):
@@ -238,7 +236,7 @@ def _settle_ahead(comm, ahead, call):
     everyone = comm.allgather(None if messages is None else (name, sent))
     taken = set()
     if messages is not None:
-        receives = [(peer, tag, request) for peer, tag, request in messages.receives if request is not None]
+        receives = messages.receives
         for _, _, request in receives:
             request.Cancel()
         statuses = [MPI.Status() for _ in receives]
@@ -255,7 +253,7 @@ def _settle_ahead(comm, ahead, call):
             if destination == me and (sender_name, peer, tag) not in taken:
                 _drop_message(_routed_comm(comm, sender_name), peer, tag, call)
     if messages is not None:
-        _wait([request for _, _, request in messages.sends if request is not None], comm, call, None, sleep=False)
+        _wait([request for _, _, request in messages.sends], comm, call, None, sleep=False)
 
 
 def _drop_message(comm, source, tag, call):
@@ -270,7 +268,7 @@ def _drop_message(comm, source, tag, call):
         waited = time.monotonic() - start
         if limit is not None and waited > limit:
             raise _timed_out([], comm, call, None, waited, limit)
-        _yield_core(waited + 1)
+        _yield_core(waited)
     message.Recv([bytearray(status.Get_count(MPI.BYTE)), MPI.BYTE])
 
 

@@ -539,9 +539,9 @@ def _settle(x, halo_width, dim, periodic, boundary, manager, call, out=None, cop
     # A hit counts only if every rank hit the same plan, the one built together with the same tags:
     # after uneven shards, one rank's key can find a plan its neighbour has since replaced.
     local = copy_interior and plan is not None and error is None and plan.shape == tuple(x.shape)
-    # On a hit of arguments seen before, the halos leave with the agreement instead of after it; the
-    # agreement lets them finish only if every rank did the same, and settles them on every rank otherwise.
-    ahead = AheadMessages(comm, [], []) if local and found is not None and plan._requests else None
+    # On a hit, the halos leave with the agreement instead of after it; the agreement lets them finish
+    # only if every rank did the same, and settles them on every rank otherwise.
+    ahead = AheadMessages() if local else None
     agreement = Agreement(comm, "halo_exchange", signature, plan is None, error, group_mismatch,
                           -1 if plan is None else plan.tag, code, ahead)
     views, started = None, False
@@ -637,11 +637,16 @@ def halo_exchange(x, halo_width, dim=None, *, periodic=False, boundary=None, man
         if out is not None:  # the same agreement as the autograd path's, raising on every rank
             _settle(x, halo_width, dim, periodic, boundary, manager, "pad+grad", out)
         return _autograd_function().apply(x, halo_width, dim, periodic, boundary, manager, call)
-    plan, out, views, started = _settle(x, halo_width, dim, periodic, boundary, manager, "pad", out, copy_interior=True)
+    return _padded(x, halo_width, dim, periodic, boundary, manager, "pad", out)[1]
+
+
+def _padded(x, halo_width, dim, periodic, boundary, manager, call, out=None):
+    """Return ``(plan, x padded)``: :func:`_settle` with ``copy_interior``, then the halos finished (or sent)."""
+    plan, out, views, started = _settle(x, halo_width, dim, periodic, boundary, manager, call, out, copy_interior=True)
     if started:
         plan._finish(views[1])
-        return out
-    return plan._pad(x, out, views)
+        return plan, out
+    return plan, plan._pad(x, out, views)
 
 
 _FUNCTION = None
@@ -665,13 +670,9 @@ def _autograd_function():
 
         @staticmethod
         def forward(ctx, x, halo_width, dim, periodic, boundary, manager, call):
-            plan, out, views, started = _settle(x, halo_width, dim, periodic, boundary, manager, call,
-                                                copy_interior=True)
+            plan, padded = _padded(x, halo_width, dim, periodic, boundary, manager, call)
             ctx.plan_arguments = (halo_width, dim, periodic, boundary, plan.manager, plan.layout.interior)
-            if started:
-                plan._finish(views[1])
-                return out
-            return plan._pad(x, out, views)
+            return padded
 
         @staticmethod
         @torch.autograd.function.once_differentiable

@@ -16,7 +16,7 @@ Each rank holds one shard of the given shape (float32). Rows, per shape and halo
 - the same through a held plan, ``plan.pad(x)`` (no per-call agreement step, no cache lookup),
   and the agreement step alone (one Allreduce of seven integers, what every ``halo_exchange``
   call adds to check the ranks' arguments and settle the plan cache alike; on a call with
-  arguments seen before the halos travel while it does, so "pad+exchange / held plan pad" is
+  a plan found in the cache the halos travel while it does, so "pad+exchange / held plan pad" is
   what the step still costs);
 - the same into a freshly allocated output each call;
 - hand-written mpi4py: pack contiguous halos, Isend/Irecv, then concatenate;

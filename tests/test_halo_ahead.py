@@ -1,4 +1,4 @@
-"""Halos that leave with the agreement step (a call repeated with arguments seen before).
+"""Halos that leave with the agreement step (a call that finds its plan in the cache).
 
 When every rank agrees, they finish as usual; when the agreement fails (another call, other arguments)
 or some rank misses its cache, every rank's started messages are settled before anything raises or
@@ -52,6 +52,21 @@ def all_true(world, value):
     return world.allreduce(bool(value), op=_mpi.mpi().LAND)
 
 
+def message_of(call, kind):
+    """What ``call`` raised as ``kind`` on this rank, or None."""
+    try:
+        call()
+    except kind as error:
+        return str(error)
+    return None
+
+
+def next_exchange_is_exact(world):
+    """True if an exchange of new values, on every rank, pads them with the neighbours' new rows."""
+    y = shard(world, 4, offset=1000.0)
+    return all_true(world, np.array_equal(halo_exchange(y, 1), padded(world, y, 1)))
+
+
 def needs_two(world):
     if world.size < 2:
         pytest.skip("needs 2 ranks: one rank sends no halo")
@@ -69,33 +84,21 @@ def test_another_call_on_one_rank_settles_the_started_halos(manager, world, sett
     needs_two(world)
     x = shard(world, 4)
     halo_exchange(x, 1)
-    raised = None
-    try:
-        if world.rank == 0:
-            halo_exchange(x, 1)  # a hit: its halos leave with the agreement
-        else:
-            gather_tensor(x)
-    except RuntimeError as error:
-        raised = str(error)
+    # Rank 0 hits: its halos leave with the agreement, which the others meet in gather_tensor.
+    raised = message_of(lambda: halo_exchange(x, 1) if world.rank == 0 else gather_tensor(x), RuntimeError)
     assert all_true(world, raised is not None and "different mpidomain calls" in raised), raised
     assert all_true(world, settled == ["halo_exchange"] if world.rank == 0 else settled == ["gather_tensor"])
-    y = shard(world, 4, offset=1000.0)
-    assert all_true(world, np.array_equal(halo_exchange(y, 1), padded(world, y, 1)))
+    assert next_exchange_is_exact(world)
 
 
 def test_other_arguments_on_one_rank_settle_the_started_halos(manager, world, settled):
     needs_two(world)
     x = shard(world, 4)
     halo_exchange(x, 1)
-    raised = None
-    try:
-        halo_exchange(x, 2 if world.rank == world.size - 1 else 1)
-    except ValueError as error:
-        raised = str(error)
+    raised = message_of(lambda: halo_exchange(x, 2 if world.rank == world.size - 1 else 1), ValueError)
     assert all_true(world, raised is not None and "halo_width must be the same on every rank" in raised), raised
     assert all_true(world, len(settled) == 1)
-    y = shard(world, 4, offset=1000.0)
-    assert all_true(world, np.array_equal(halo_exchange(y, 1), padded(world, y, 1)))
+    assert next_exchange_is_exact(world)
 
 
 def test_a_miss_on_one_rank_settles_the_others_halos_and_builds_anew(manager, world, settled):
@@ -106,8 +109,7 @@ def test_a_miss_on_one_rank_settles_the_others_halos_and_builds_anew(manager, wo
     z = shard(world, 5 if world.rank == world.size - 1 else 4, offset=500.0)
     assert all_true(world, np.array_equal(halo_exchange(z, 1), padded(world, z, 1)))
     assert all_true(world, len(settled) == 1)
-    y = shard(world, 4, offset=1000.0)
-    assert all_true(world, np.array_equal(halo_exchange(y, 1), padded(world, y, 1)))
+    assert next_exchange_is_exact(world)
 
 
 def test_tensors_in_a_graph_go_ahead_and_settle_alike(manager, world, settled):
@@ -119,11 +121,7 @@ def test_tensors_in_a_graph_go_ahead_and_settle_alike(manager, world, settled):
         padded_t = halo_exchange(t, 1)
         padded_t.sum().backward()
         assert all_true(world, np.array_equal(padded_t.detach().numpy(), padded(world, x + k, 1)))
-    raised = None
-    try:
-        halo_exchange(torch.tensor(x, requires_grad=True), 1 if world.rank else 2)
-    except ValueError as error:
-        raised = str(error)
+    raised = message_of(lambda: halo_exchange(torch.tensor(x, requires_grad=True), 1 if world.rank else 2), ValueError)
     assert all_true(world, raised is not None and len(settled) == 1), (raised, settled)
     t = torch.tensor(x + 1000.0, requires_grad=True)
     assert all_true(world, np.array_equal(halo_exchange(t, 1).detach().numpy(), padded(world, x + 1000.0, 1)))
