@@ -423,7 +423,7 @@ def wait_all(requests, *, comm=None, call="a wait", awaiting=None):
 
 
 def _wait(requests, comm, call, awaiting, sleep, statuses=None):
-    """Poll ``requests`` until done or past the deadline; ``sleep``: also sleep (up to 1 ms) between polls after 10 ms.
+    """Poll ``requests`` until done or past the deadline; ``sleep``: also sleep between polls after 1 ms.
 
     ``statuses``, if given, receive the requests' statuses as they complete.
     """
@@ -440,8 +440,8 @@ def _wait(requests, comm, call, awaiting, sleep, statuses=None):
                 limit = timeout_seconds()
             if limit is not None and waited > limit:
                 raise _timed_out(requests, comm, call, awaiting, waited, limit)
-            if sleep and waited > 0.01:  # a real imbalance: stop polling hard, yet wake within a millisecond
-                pause = min(0.001, pause + 0.0001)
+            if sleep:
+                pause = min(0.01, pause + 0.0001)
                 time.sleep(pause)
 
 
