@@ -321,9 +321,11 @@ class CudaAwareDecision:
 
     enabled: bool
     reason: str
+    conflict: str = ""  # set when MPIDOMAIN_CUDA_AWARE=1 overrides a library that says it has no CUDA support
 
     def __str__(self):
-        return f"{'CUDA-aware' if self.enabled else 'staged through host'} ({self.reason})"
+        said = f"; but {self.conflict}" if self.conflict else ""
+        return f"{'CUDA-aware' if self.enabled else 'staged through host'} ({self.reason}{said})"
 
 
 _DECISION = None
@@ -381,7 +383,9 @@ def cuda_aware_decision(refresh=False):
         return _DECISION
     setting = os.environ.get("MPIDOMAIN_CUDA_AWARE", "auto").strip().lower()
     if setting in ("1", "true", "yes", "on"):
-        _DECISION = CudaAwareDecision(True, f"MPIDOMAIN_CUDA_AWARE={setting}")
+        library = _probe()
+        conflict = library.reason if not library.enabled and library.reason.startswith("MPIX_") else ""
+        _DECISION = CudaAwareDecision(True, f"MPIDOMAIN_CUDA_AWARE={setting}", conflict)
     elif setting in ("0", "false", "no", "off"):
         _DECISION = CudaAwareDecision(False, f"MPIDOMAIN_CUDA_AWARE={setting}")
     elif setting == "auto":

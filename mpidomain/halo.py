@@ -101,19 +101,19 @@ class HaloPlan:
         except (TypeError, ValueError) as exc:
             error = exc
         agree_inputs(comm, "HaloPlan", mine, error)
-        self._build(x, mine, manager, comm)
+        self._build(x, mine, manager, comm, "HaloPlan")
 
     @classmethod
-    def _agreed(cls, x, mine, manager):
+    def _agreed(cls, x, mine, manager, call):
         """Return a plan for ``x`` from its :class:`~mpidomain.halo_spec.HaloSpec` ``mine``, which the ranks have agreed on already.
 
         Collective like the constructor (the extents are still gathered), without its agreement step.
         """
         plan = cls.__new__(cls)
-        plan._build(x, mine, manager, manager.library_comm())
+        plan._build(x, mine, manager, manager.library_comm(), call)
         return plan
 
-    def _build(self, x, mine, manager, comm):
+    def _build(self, x, mine, manager, comm, call):
         """The constructor's work once the ranks agree on :class:`~mpidomain.halo_spec.HaloSpec` ``mine``: the layout, buffers and
         requests."""
         self.manager = manager
@@ -123,7 +123,7 @@ class HaloPlan:
         self.boundary = mine.boundary
         # The call's dim, halo_width and periodic, normalised: one value per padded dim (one dim: the value).
         self.dim, self.halo_width, self.periodic = mine.arguments()
-        extents, coords = check_tiles(comm, mine, manager)
+        extents, coords = check_tiles(comm, mine, manager, call)
         layout = TileLayout(self.shape, mine.dims, mine.widths, mine.modes, extents, coords)
         # Tags the same on every rank, as many as the most blocks one rank takes from another: they name
         # the plan (halo_exchange's cache agrees on them).
@@ -557,7 +557,7 @@ def _settle(x, halo_width, dim, periodic, boundary, manager, call, out=None, cop
             started = True
         working[plan._interior] = views[0]  # local work under the agreement
     if agreement.result():  # every rank described its arguments, and they agree: build on that
-        plan, started = HaloPlan._agreed(x, mine, manager), False
+        plan, started = HaloPlan._agreed(x, mine, manager, "halo_exchange"), False
         cache.put(key, plan)
     else:
         cache.touch(key)

@@ -14,7 +14,7 @@ import dataclasses
 import numpy as np
 
 from . import devices
-from ._mpi import agree
+from ._mpi import agree, allgather_ints
 from ._validate import normalize_dim, require_int
 
 __all__ = ["HaloSpec", "describe", "group_mismatch", "agree_inputs", "check_tiles"]
@@ -169,7 +169,7 @@ def agree_inputs(comm, call, mine, error):
     agree(comm, call, None if mine is None else mine.signature(), False, error, group_mismatch)
 
 
-def check_tiles(comm, mine, manager):
+def check_tiles(comm, mine, manager, call):
     """Return each grid dim's tile extents, per coordinate, and this rank's coordinates; collective.
 
     Raise ValueError on every rank unless the ranks' tiles form a grid (along a
@@ -179,7 +179,7 @@ def check_tiles(comm, mine, manager):
     it: where no rows travel between ranks (no halo along a sharded dim) each
     pads its own extent, else all ranks must share it.
     """
-    everyone = comm.allgather(mine.extents)
+    everyone = allgather_ints(comm, mine.extents, call)
     ndim = mine.ndim
     along = {d % ndim: k for k, d in enumerate(manager.shard_dims) if -ndim <= d < ndim}
     travels = any(h for d, h in zip(mine.dims, mine.widths) if d in along)

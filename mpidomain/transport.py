@@ -157,7 +157,16 @@ def transport_for(x):
 
     Local: device arrays go direct when :func:`~mpidomain.devices.cuda_aware_decision` says the
     MPI library is CUDA-aware (which depends only on the environment, alike on every rank).
+    Raise RuntimeError for a device array when ``MPIDOMAIN_CUDA_AWARE=1`` forces the direct way on
+    a library that says it has no CUDA support (it would crash on the device pointer).
     """
     if not devices.is_device_array(x):
         return _TRANSPORTS["host"]
-    return _TRANSPORTS["direct" if devices.cuda_aware_decision().enabled else "staged"]
+    decision = devices.cuda_aware_decision()
+    if decision.enabled and decision.conflict:
+        raise RuntimeError(
+            f"MPIDOMAIN_CUDA_AWARE=1 hands device memory to MPI directly, but the MPI library says it has no CUDA "
+            f"support ({decision.conflict}), and would crash on a device pointer; unset MPIDOMAIN_CUDA_AWARE (or "
+            "set it to auto or 0) to stage through host memory, or run with a CUDA-aware MPI build"
+        )
+    return _TRANSPORTS["direct" if decision.enabled else "staged"]

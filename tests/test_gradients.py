@@ -125,6 +125,11 @@ def test_cuda_gradients(world, monkeypatch, cuda_aware):
     monkeypatch.setenv("MPIDOMAIN_CUDA_AWARE", "1" if cuda_aware else "0")
     devices.cuda_aware_decision(refresh=True)
     try:
+        if world.size > 1 and devices.cuda_aware_decision().conflict:  # forced direct, MPI without CUDA: refused
+            model = _gradients(world.rank)[0].cuda()
+            with pytest.raises(RuntimeError, match="MPIDOMAIN_CUDA_AWARE=1 hands device memory to MPI"):
+                allreduce_gradients(model, group=world, bucket_bytes=200)
+            return
         model, _ = _gradients(world.rank)
         model.cuda()
         allreduce_gradients(model, group=world, bucket_bytes=200)

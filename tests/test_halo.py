@@ -321,11 +321,15 @@ def test_gpu_arrays_match_the_reference(world, monkeypatch, aware):
     makers = _gpu_arrays()
     if not makers:
         pytest.skip("no CUDA device (torch or cupy)")
-    if aware == "1" and not halo.devices.cuda_aware_decision().enabled and world.size > 1:
-        pytest.skip("the MPI library is not CUDA-aware")
     monkeypatch.setenv("MPIDOMAIN_CUDA_AWARE", aware)
     halo.devices.cuda_aware_decision(refresh=True)
     try:
+        if halo.devices.cuda_aware_decision().conflict:  # forced direct on an MPI without CUDA support: refused
+            with DomainParallelManager(world.size, world.size) as manager:
+                for make in makers:
+                    with pytest.raises(RuntimeError, match="MPIDOMAIN_CUDA_AWARE=1 hands device memory to MPI"):
+                        halo_exchange(make(np.ones((2, 4, 3))), 1, -2, manager=manager)
+            return
         for make in makers:
             for d, h, periodic, uneven in all_cases(world):
                 with DomainParallelManager(world.size, d) as manager:

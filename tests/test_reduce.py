@@ -130,6 +130,10 @@ def test_cuda_tensors(world, monkeypatch, cuda_aware):
     monkeypatch.setenv("MPIDOMAIN_CUDA_AWARE", "1" if cuda_aware else "0")
     devices.cuda_aware_decision(refresh=True)
     try:
+        if devices.cuda_aware_decision().conflict:  # forced direct on an MPI without CUDA support: refused
+            with pytest.raises(RuntimeError, match="MPIDOMAIN_CUDA_AWARE=1 hands device memory to MPI"):
+                allreduce(torch.ones(3, 4, dtype=torch.float64).cuda(), "sum", world)
+            return
         stacked = torch.from_numpy(np.stack([_value(r) for r in range(world.size)]))
         x = torch.from_numpy(_value(world.rank)).cuda().requires_grad_()
         y = allreduce(x, "sum", world)

@@ -158,6 +158,13 @@ def test_device_round_trips(world, monkeypatch, cuda_aware):
     devices.cuda_aware_decision(refresh=True)
     d = world.size
     try:
+        if world.size > 1 and devices.cuda_aware_decision().conflict:  # forced direct, MPI without CUDA: refused
+            with DomainParallelManager(world.size, d) as m:
+                for _, to_device in arrays:
+                    mine = shard_tensor(to_device(np.ones((2, 2 * d, 3), np.float32)), -2, m)
+                    with pytest.raises(RuntimeError, match="MPIDOMAIN_CUDA_AWARE=1 hands device memory to MPI"):
+                        gather_tensor(mine, -2, m)
+            return
         with DomainParallelManager(world.size, d) as m:
             host = np.random.default_rng(2).standard_normal((2, 3, 2 * d + 1, 5)).astype(np.float32)
             for _, to_device in arrays:
