@@ -28,6 +28,10 @@ max |output difference| and max |parameter-gradient difference| (gradients summe
 the domain group), each also relative to the largest |value|. Then per rank for
 mpidomain's step: bytes of activations saved for backward (``SavedActivations``), peak
 RSS, and the step time as a ratio to the one-process step timed in the same run.
+
+``--device cuda`` runs both on the GPU (``cuda:<rank % devices>``) and adds each rank's peak
+CUDA memory of the step above what it held before (``torch.cuda.max_memory_allocated``), against
+the one-process step's; ``scripts/gpu_check.sh`` runs it so at 1, 2 and 4 ranks.
 """
 
 import argparse
@@ -65,8 +69,8 @@ CONFIGS = {
 }
 
 
-def build(config):
-    """CREDIT's CrossFormer for ``config`` (float64, seeded) and an input (1, 7, 1, H, W)."""
+def build(config, device="cpu"):
+    """CREDIT's CrossFormer for ``config`` (float64, seeded) and an input (1, 7, 1, H, W), on ``device``."""
     module = credit_models.crossformer()
     torch.manual_seed(0)
     c = dict(config)
@@ -78,7 +82,7 @@ def build(config):
                                                  pad_lat=list(pad_lat or ()), pad_lon=list(pad_lon or ())),
                                **c).double()
     x = torch.randn(1, 7, 1, c["image_height"], c["image_width"], dtype=torch.float64)
-    return model, x
+    return model.to(device), x.to(device)
 
 
 def output_size(model, x):
@@ -87,11 +91,20 @@ def output_size(model, x):
 
 
 def step(model, x, count):
-    """Forward, loss = sum of squares / ``count`` (the whole field's mean square: this rank's share), backward."""
+    """Forward, loss = sum of squares / ``count`` (the whole field's mean square: this rank's share), backward.
+
+    Return the output and, on a GPU, the step's peak CUDA bytes above what was allocated before it (else 0).
+    """
     model.zero_grad(set_to_none=True)
+    cuda = x.is_cuda
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
     y = model(x)
     (y.square().sum() / count).backward()
-    return y.detach()
+    peak = torch.cuda.max_memory_allocated() - before if cuda else 0
+    return y.detach(), peak
 
 
 def differences(y, want, model, reference):
@@ -116,7 +129,7 @@ def credit_converter(model, x, want, reference, size):
     try:
         manager = CreditManager(size, size)
         model = credit_convert.convert_to_domain_parallel(model, manager)
-        y = step(model, credit_shard(x, manager=manager), want.numel())
+        y = step(model, credit_shard(x, manager=manager), want.numel())[0]
         for p in model.parameters():
             if p.grad is not None:
                 dist.all_reduce(p.grad, group=manager.domain_group)
@@ -127,7 +140,7 @@ def credit_converter(model, x, want, reference, size):
 
 
 def ours(model, x, size):
-    """mpidomain's converter: (gathered output, model, saved bytes, peak RSS MiB, step seconds) on this rank."""
+    """mpidomain's converter: (gathered output, model, saved bytes, peak RSS MiB, step seconds, peak CUDA bytes)."""
     with mpidomain.DomainParallelManager(size, size) as manager:
         model = convert_to_domain_parallel(model, manager=manager)
         shard = mpidomain.shard_tensor(x, manager=manager, allow_uneven=True)
@@ -135,52 +148,60 @@ def ours(model, x, size):
             model(shard)
         WORLD.Barrier()
         start = time.perf_counter()
-        y = step(model, shard, output_size(model, x))
+        y, device_peak = step(model, shard, output_size(model, x))
         seconds = time.perf_counter() - start
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         allreduce_gradients(model, manager=manager, group="domain", op="sum")
-        return mpidomain.gather_tensor(y, manager=manager), model, saved.nbytes, rss, seconds
+        return mpidomain.gather_tensor(y, manager=manager), model, saved.nbytes, rss, seconds, device_peak
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     parser.add_argument("--skip-credit", action="store_true", help="leave CREDIT's converter out")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     args = parser.parse_args()
     size, rank = WORLD.Get_size(), WORLD.Get_rank()
+    device = "cpu"
+    if args.device == "cuda":
+        device = f"cuda:{rank % torch.cuda.device_count()}"
+        torch.cuda.set_device(device)
     if not args.skip_credit:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         mpidomain.init_torch_distributed(backend="gloo")
     for name in args.configs:
-        model, x = build(CONFIGS[name])
+        model, x = build(CONFIGS[name], device)
         reference = copy.deepcopy(model)
-        y, converted, saved_bytes, rss, seconds = ours(copy.deepcopy(model), x, size)  # first: its peak RSS
+        y, converted, saved_bytes, rss, seconds, device_peak = ours(copy.deepcopy(model), x, size)  # first: peak RSS
         with SavedActivations(exclude=list(reference.parameters())) as saved:
             reference(x)
         whole_bytes = saved.nbytes
         WORLD.Barrier()
         start = time.perf_counter()
-        want = step(reference, x, output_size(reference, x))
+        want, whole_device_peak = step(reference, x, output_size(reference, x))
         whole_seconds = time.perf_counter() - start
         ours_result = differences(y, want, converted, reference)
         credit_result = (None, "skipped") if args.skip_credit else credit_converter(copy.deepcopy(model), x, want,
                                                                                      reference, size)
-        rows = WORLD.gather(((saved_bytes, rss, seconds), whole_bytes, whole_seconds), root=0)
+        rows = WORLD.gather(((saved_bytes, rss, seconds, device_peak), whole_bytes, whole_seconds, whole_device_peak),
+                            root=0)
         if rank:
             continue
         print(f"== {name}: CrossFormer {CONFIGS[name]['image_height']} x {CONFIGS[name]['image_width']}, "
-              f"D={size} (float64; differences against one process: absolute, relative to max |value|)")
+              f"D={size} on {args.device} (float64; differences against one process: absolute, relative to max |value|)")
         for label, (result, error) in (("CREDIT's converter", credit_result), ("mpidomain", (ours_result, None))):
             if error:
                 print(f"  {label:20s} error: {error}")
             else:
                 dy, ry, dg, rg = result
                 print(f"  {label:20s} max |output diff| {dy:.3g} ({ry:.2g})   max |grad diff| {dg:.3g} ({rg:.2g})")
-        for r, ((saved_bytes, rss, seconds), whole, whole_s) in enumerate(rows):
+        for r, ((saved_bytes, rss, seconds, peak), whole, whole_s, whole_peak) in enumerate(rows):
+            on_device = (f", peak CUDA memory of the step {peak / 2**20:.1f} MiB ({peak / whole_peak:.3f} of one "
+                         f"process's {whole_peak / 2**20:.1f} MiB)" if whole_peak else "")
             print(f"  rank {r}: saved activations {saved_bytes / 2**20:8.2f} MiB "
                   f"({saved_bytes / whole:.3f} of one process's {whole / 2**20:.2f} MiB; ideal {1 / size:.3f}), "
                   f"peak RSS {rss:7.0f} MiB, step time {seconds / whole_s:.2f}x one process's "
-                  f"({whole_s:.2f} s)")
+                  f"({whole_s:.2f} s){on_device}")
 
 
 if __name__ == "__main__":

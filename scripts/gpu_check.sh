@@ -5,6 +5,9 @@
 #    NumPy reference, staged and CUDA-aware; sharding round trips; reductions; gradient all-reduces),
 #    which skip on machines without a device, at 1, 2 and 4 ranks (the ranks share the devices).
 # 2. scripts/bench_halo_gpu.py at 2 and 4 ranks.
+# 3. Where CREDIT is installed (pip install --no-deps miles-credit): its CrossFormer at 1 degree,
+#    domain-parallel on the GPU against one process, with each rank's peak CUDA memory
+#    (scripts/credit_parity.py --device cuda) at 1, 2 and 4 ranks.
 # Each step's exit status is printed; the script fails if any step failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -38,4 +41,11 @@ done
 for n in 2 4; do
   step timeout 300 mpiexec -n "$n" python scripts/bench_halo_gpu.py
 done
+if python -c "import credit" 2>/dev/null; then
+  for n in 1 2 4; do
+    step timeout 300 mpiexec -n "$n" python scripts/credit_parity.py --configs 1deg --skip-credit --device cuda
+  done
+else
+  echo "== CREDIT (miles-credit) is not installed: its CrossFormer on the GPU is left out"
+fi
 exit "$failed"
