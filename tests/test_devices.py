@@ -65,6 +65,33 @@ def test_cuda_aware_auto_asks_the_library(monkeypatch):
     devices.cuda_aware_decision(refresh=True)
 
 
+@pytest.mark.parametrize("library, refused", [("MPIX_GPU_query_support(CUDA) = 0", True),
+                                               ("MPIX_Query_cuda_support() = 0", True),
+                                               ("the MPI library cannot tell; staging to be safe", False)])
+def test_forced_direct_on_a_library_without_cuda_is_refused(monkeypatch, library, refused):
+    """MPIDOMAIN_CUDA_AWARE=1 where the library says no: a device array raises instead of crashing MPI."""
+    from mpidomain import transport
+
+    monkeypatch.setattr(devices, "_probe", lambda: devices.CudaAwareDecision(False, library))
+    monkeypatch.setattr(transport.devices, "is_device_array", lambda x: True)  # a host array posing as device memory
+    monkeypatch.setenv("MPIDOMAIN_CUDA_AWARE", "1")
+    try:
+        decision = devices.cuda_aware_decision(refresh=True)
+        assert decision.enabled and bool(decision.conflict) is refused
+        if refused:
+            assert f"but {library}" in str(decision)
+            with pytest.raises(RuntimeError, match=r"MPIDOMAIN_CUDA_AWARE=1 hands device memory to MPI directly, but "
+                                                   r"the MPI library says it has no CUDA support \(MPIX_.*unset "
+                                                   r"MPIDOMAIN_CUDA_AWARE"):
+                transport.transport_for(np.zeros(3))
+        else:
+            assert transport.transport_for(np.zeros(3)).name == "direct"
+    finally:
+        monkeypatch.delenv("MPIDOMAIN_CUDA_AWARE")
+        monkeypatch.undo()
+        devices.cuda_aware_decision(refresh=True)
+
+
 def test_empty_assign_and_views_keep_kind_and_memory():
     torch = pytest.importorskip("torch")
     for like in (np.zeros(2, np.float32), torch.zeros(2, dtype=torch.bfloat16)):
