@@ -51,7 +51,8 @@ def pbs_env(tmp_path, nodes_lines):
 
 
 def test_scripts_parse():
-    for name in ("derecho.pbs", "perlmutter.sbatch", "slurm_generic.sbatch", "mpirun_local.sh", "ci_slurm_up.sh"):
+    for name in ("derecho.pbs", "perlmutter.sbatch", "slurm_generic.sbatch", "mpirun_local.sh", "ci_slurm_up.sh",
+                 "gpu_check.sh"):
         result = subprocess.run(["bash", "-n", os.path.join(SCRIPTS, name)], capture_output=True, text=True)
         assert result.returncode == 0, (name, result.stderr)
 
