@@ -420,6 +420,21 @@ def allgather_ints(comm, values, call):
     return [tuple(int(v) for v in row) for row in everyone]
 
 
+SLEEPING_WAIT_BYTES = 1 << 16  # collectives up to this size wait sleeping; larger ones poll
+
+
+def wait_collective(request, comm, call, nbytes):
+    """Complete the non-blocking collective ``request`` on ``comm`` moving ``nbytes`` per rank; bounded.
+
+    A small one (up to :data:`SLEEPING_WAIT_BYTES`) is done in microseconds once every rank has
+    arrived, so a waiting rank sleeps between polls once the wait lasts 1 ms, leaving the cores to
+    the ranks it waits for (a blocking collective's busy poll holds them where ranks outnumber
+    cores). A larger one moves only while the ranks poll (no progress thread), so it polls and
+    yields. Either way it raises RuntimeError after :func:`timeout_seconds`.
+    """
+    _wait([request], comm, call, None, sleep=nbytes <= SLEEPING_WAIT_BYTES)
+
+
 def wait_all(requests, *, comm=None, call="a wait", awaiting=None):
     """Complete every request, or raise RuntimeError after :func:`timeout_seconds` (``MPIDOMAIN_TIMEOUT``).
 

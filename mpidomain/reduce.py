@@ -9,7 +9,7 @@ Torch the reduction is differentiable.
 import numpy as np
 
 from . import devices, transport
-from ._mpi import agree, mpi
+from ._mpi import agree, mpi, wait_collective
 from ._current import require_manager
 
 __all__ = ["allreduce", "group_communicator"]
@@ -69,8 +69,10 @@ def reduce_array(x, op, comm):
     MPI = mpi()
     operation = getattr(MPI, _MPI_OPS[op])
     way = transport.transport_for(work)
+    source = way.readable(work)  # alive until the reduction completes
     with way.writable(out) as result:
-        comm.Allreduce([way.readable(work), datatype], [result, datatype], op=operation)
+        request = comm.Iallreduce([source, datatype], [result, datatype], op=operation)
+        wait_collective(request, comm, "allreduce", out.nbytes)
     if op == "mean":
         out /= comm.Get_size()
     return out if out.dtype == x.dtype else _cast(out, x)

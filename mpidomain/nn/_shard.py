@@ -11,7 +11,7 @@
 
 import torch
 
-from .._mpi import agree
+from .._mpi import agree, allgather_ints
 from .._validate import normalize_dim, require_manager
 from ..manager import library_comm
 from .halo import HaloExchange
@@ -87,14 +87,14 @@ def layer_agree(manager, name, x, dim, settings, error=None):
 def layer_extents(manager, name, x, dim, settings, error=None):
     """Return (the extent along ``dim`` of each tile coordinate, this rank's coordinate) for layer ``name``.
 
-    Collective over the domain group: :func:`layer_agree`, then one allgather
+    Collective over the domain group: :func:`layer_agree`, then one bounded allgather of two integers
     (``([extent], 0)`` along a dim the manager does not shard).
     """
     index, size = layer_agree(manager, name, x, dim, settings, error)
     if size == 1:
         return [int(x.shape[dim])], 0
     extents = [0] * size
-    for coord, extent in library_comm(manager).allgather((index, int(x.shape[dim]))):
+    for coord, extent in allgather_ints(library_comm(manager), (index, int(x.shape[dim])), name):
         extents[coord] = extent  # the tiles of a row (or column) share it
     return extents, index
 

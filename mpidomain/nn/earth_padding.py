@@ -25,7 +25,7 @@ of ``align[1]`` (they do for 360 + 76 + 76 on 2 tiles); otherwise it raises on e
 import numpy as np
 import torch
 
-from .._mpi import agree
+from .._mpi import agree, allgather_ints
 from .._validate import require_manager
 from ..manager import library_comm
 from ..redistribution_layout import RowMove, contiguous_layout
@@ -125,7 +125,7 @@ class DomainParallelTensorPadding(torch.nn.Module):
               error=error)
         lat, lats = place(manager, x, x.ndim - 2)
         lon, lons = place(manager, x, x.ndim - 1)
-        everyone = library_comm(manager).allgather((lat, lon, int(x.shape[-2]), int(x.shape[-1])))
+        everyone = allgather_ints(library_comm(manager), (lat, lon, int(x.shape[-2]), int(x.shape[-1])), name)
         extents = [0] * lats
         for c, o, rows, _ in everyone:
             if o == lon:
