@@ -24,7 +24,7 @@ import math
 import numpy as np
 
 from . import devices, transport
-from ._mpi import agree, digest, mpi, wait_collective
+from ._mpi import agree, digest, mpi
 from ._validate import normalize_dim, require_manager
 from .manager import library_comm
 from .redistribution_layout import RowMove
@@ -173,9 +173,8 @@ def _move(comm, x, move, dim):
             source = way.readable(send) if send.shape[0] else np.empty(0, np.uint8)
             with way.writable(received) as memory:
                 target = memory if received.shape[0] else np.empty(0, np.uint8)
-                request = comm.Ialltoallv([source, (list(send_counts), send_displs), row],
-                                          [target, (list(recv_counts), recv_displs), row])
-                wait_collective(request, comm, "redistribute", row_bytes * max(sum(send_counts), sum(recv_counts)))
+                comm.Alltoallv([source, (list(send_counts), send_displs), row],
+                               [target, (list(recv_counts), recv_displs), row])
         finally:
             row.Free()
     return _put_back(_take(received, reorder, 0), dim)

@@ -10,7 +10,7 @@ pinned host buffer; half-precision gradients are reduced in float32.
 import torch
 
 from .. import devices, transport
-from .._mpi import _ranges, agree, mpi, wait_collective
+from .._mpi import _ranges, agree, mpi
 from ..reduce import group_communicator
 
 __all__ = ["allreduce_gradients", "DEFAULT_BUCKET_BYTES"]
@@ -155,8 +155,7 @@ def _reduce_bucket(grads, op, comm, staging):
                                  or staging.dtype != devices.numpy_dtype(flat)):
         staging = way.staging(flat)  # kept for the next bucket: pinned memory is slow to allocate
     with way.in_place(flat, None if staging is None else staging[:flat.numel()]) as memory:
-        wait_collective(comm.Iallreduce(MPI.IN_PLACE, [memory, datatype], op=MPI.SUM), comm, "allreduce_gradients",
-                        flat.nbytes)
+        comm.Allreduce(MPI.IN_PLACE, [memory, datatype], op=MPI.SUM)
     if op == "mean":
         flat /= comm.Get_size()
     for piece, grad in zip(flat.split(numels), grads):
