@@ -407,19 +407,6 @@ def wait_with_deadline(comm, request, call):
     _wait([request], comm, call, None, sleep=True)
 
 
-def allgather_ints(comm, values, call):
-    """Return every rank's ``values`` (a tuple of ints, as long on every rank), one row per rank; collective.
-
-    One non-blocking Allgather waited for like the agreement (polls, then
-    sleeps, bounded by :func:`timeout_seconds`): a blocking collective's busy
-    poll would hold the core the ranks it waits for need, where ranks outnumber cores.
-    """
-    mine = np.asarray(values, dtype=np.int64)
-    everyone = np.empty((comm.Get_size(), mine.size), dtype=np.int64)
-    _wait([comm.Iallgather(mine, everyone)], comm, call, None, sleep=True)
-    return [tuple(int(v) for v in row) for row in everyone]
-
-
 SLEEPING_WAIT_BYTES = 1 << 16  # collectives up to this size wait sleeping; larger ones poll
 
 
@@ -433,6 +420,18 @@ def wait_collective(request, comm, call, nbytes):
     yields. Either way it raises RuntimeError after :func:`timeout_seconds`.
     """
     _wait([request], comm, call, None, sleep=nbytes <= SLEEPING_WAIT_BYTES)
+
+
+def allgather_ints(comm, values, call):
+    """Return every rank's ``values`` (a tuple of ints, as long on every rank), one row per rank; collective.
+
+    One non-blocking Allgather, completed by :func:`wait_collective` (bounded; a
+    blocking collective's busy poll would hold the cores the ranks it waits for need).
+    """
+    mine = np.asarray(values, dtype=np.int64)
+    everyone = np.empty((comm.Get_size(), mine.size), dtype=np.int64)
+    wait_collective(comm.Iallgather(mine, everyone), comm, call, everyone.nbytes)
+    return [tuple(int(v) for v in row) for row in everyone]
 
 
 def wait_all(requests, *, comm=None, call="a wait", awaiting=None):
