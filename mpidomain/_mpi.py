@@ -114,10 +114,18 @@ def digest(value):
     return int.from_bytes(hashlib.blake2b(repr(value).encode(), digest_size=8).digest(), "little") >> 2
 
 
-def _agreement_values(value, flag, token, code, ahead=False):
-    code = digest(value) if code is None else code
-    ahead = int(bool(ahead))
-    return np.array([code, -code, int(bool(flag)), token, -token, ahead, -ahead], dtype=np.int64)
+_VALUES = {}  # (code, flag, token, ahead) -> an agreement's values, copied for each use (a call repeats them)
+
+
+def _agreement_values(flag, token, code, ahead):
+    """Return a new int64 array of what one rank brings to an agreement (MAX-reduced: negated twins give the minimum)."""
+    key = (code, flag, token, ahead)
+    values = _VALUES.get(key)
+    if values is None:
+        if len(_VALUES) >= 1024:
+            _VALUES.clear()
+        values = _VALUES[key] = np.array([code, -code, int(flag), token, -token, int(ahead), -int(ahead)], dtype=np.int64)
+    return values.copy()
 
 
 def _agreement_result(values):
@@ -167,16 +175,22 @@ class Agreement:
         # them meet in this agreement (a shared route), so that a failure can settle them.
         self._ahead = (ahead, self._owner) if ahead is not None and error is None and self._owner is not None else None
         self.ahead = self._ahead is not None
-        self._values = _agreement_values(None, flag, token, code ^ mark, self.ahead)
-        self._request = comm.Iallreduce(mpi().IN_PLACE, self._values, op=mpi().MAX)
+        self._values = _agreement_values(bool(flag), token, code ^ mark, self.ahead)
+        MPI = mpi()
+        self._request = comm.Iallreduce(MPI.IN_PLACE, self._values, op=MPI.MAX)
 
     def result(self):
         """Wait for the agreement; return the flag set on any rank (or tokens unequal), or raise on every rank."""
-        wait_with_deadline(self._comm, self._request, self._call)
+        # The agreement and the messages started ahead are polled together until all are complete, or the
+        # agreement is (the messages may never complete if the ranks are not in step).
+        ahead = self._ahead[0].requests if self._ahead is not None else None
+        completed = bool(ahead) and _wait([self._request, *ahead], self._comm, self._call, None, True, None, self._request)
+        if not completed:
+            wait_with_deadline(self._comm, self._request, self._call)
         same, any_flag = _agreement_result(self._values)
         went_ahead, all_went_ahead = bool(self._values[5]), int(self._values[6]) == -1
         if went_ahead and not (same and not any_flag and all_went_ahead):
-            _settle_ahead(self._comm, self._ahead, self._call)
+            _settle_ahead(self._comm, self._ahead, self._call, completed)
             any_flag = True  # the messages are gone: a caller that went ahead must not finish them
         comm, call, description, error = self._comm, self._call, self._description, self._error
         if same:
@@ -216,26 +230,30 @@ class AheadMessages:
     """Messages a call started on its :class:`Agreement`'s communicator before the agreement settled.
 
     ``sends`` and ``receives``: lists of ``(peer, tag, request)``, the started
-    requests; the caller fills them in once it started them.
+    requests; ``requests``: the same requests in one list. The caller fills
+    them in once it started them.
     """
 
     def __init__(self):
-        self.sends, self.receives = [], []
+        self.sends, self.receives, self.requests = [], [], []
 
 
-def _settle_ahead(comm, ahead, call):
+def _settle_ahead(comm, ahead, call, completed=False):
     """Finish or undo every rank's messages started ahead of a failed agreement on ``comm``; collective over ``comm``.
 
     Each rank cancels its started receives (a receive already matched completes instead), then
     receives and drops every message another rank sent it that none of its receives took, then
-    completes its sends. Every wait is bounded by :func:`timeout_seconds`.
+    completes its sends. ``completed``: this rank's messages are all complete already (nothing
+    to cancel). Every wait is bounded by :func:`timeout_seconds`.
     """
     MPI = mpi()
     messages, name = ahead if ahead is not None else (None, None)
     sent = [] if messages is None else [(peer, tag) for peer, tag, _ in messages.sends]
     everyone = comm.allgather(None if messages is None else (name, sent))
     taken = set()
-    if messages is not None:
+    if messages is not None and completed:
+        taken = {(name, peer, tag) for peer, tag, _ in messages.receives}
+    elif messages is not None:
         receives = messages.receives
         for _, _, request in receives:
             request.Cancel()
@@ -252,7 +270,7 @@ def _settle_ahead(comm, ahead, call):
         for destination, tag in sends:
             if destination == me and (sender_name, peer, tag) not in taken:
                 _drop_message(_routed_comm(comm, sender_name), peer, tag, call)
-    if messages is not None:
+    if messages is not None and not completed:
         _wait([request for _, _, request in messages.sends], comm, call, None, sleep=False)
 
 
@@ -449,17 +467,20 @@ def wait_all(requests, *, comm=None, call="a wait", awaiting=None):
     _wait(requests, comm, call, awaiting, sleep=False)
 
 
-def _wait(requests, comm, call, awaiting, sleep, statuses=None):
-    """Poll ``requests`` until done or past the deadline; ``sleep``: also sleep between polls after 1 ms.
+def _wait(requests, comm, call, awaiting, sleep, statuses=None, enough=None):
+    """Poll ``requests`` until done (return True) or past the deadline; ``sleep``: also sleep between polls after 1 ms.
 
-    ``statuses``, if given, receive the requests' statuses as they complete.
+    ``statuses``, if given, receive the requests' statuses as they complete. ``enough``, one of
+    ``requests``: once it is complete (left for its owner to complete again), stop and return False.
     """
     MPI = mpi()
     if MPI.Request.Testall(requests, statuses):
-        return
+        return True
     start = time.monotonic()
     pause, limit = 0.0, False  # the setting is read once a wait lasts 1 ms, not on the fast path
     while not MPI.Request.Testall(requests, statuses):
+        if enough is not None and enough.Get_status():
+            return False
         waited = time.monotonic() - start
         _yield_core(waited)
         if waited > 0.001:
@@ -470,6 +491,7 @@ def _wait(requests, comm, call, awaiting, sleep, statuses=None):
             if sleep:
                 pause = min(0.01, pause + 0.0001)
                 time.sleep(pause)
+    return True
 
 
 def _timed_out(requests, comm, call, awaiting, waited, limit):

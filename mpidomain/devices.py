@@ -104,6 +104,25 @@ def synchronize(x):
         cupy.cuda.get_current_stream().synchronize()
 
 
+def host_view(x):
+    """Return ``x`` as a NumPy view of its memory, quickly, if it is plain host memory; else None.
+
+    A NumPy array is itself; a strided CPU tensor that needs no grad, not
+    bfloat16 nor a lazily conjugated or negated view, is ``x.numpy()``.
+    Anything else (device memory, a subclass, ...) gives None: ask
+    :func:`mpi_buffer` or :func:`array_kind`.
+    """
+    if type(x) is np.ndarray:
+        return x
+    torch = sys.modules.get("torch")
+    if torch is not None and type(x) is torch.Tensor and not x.requires_grad:
+        try:
+            return x.numpy()
+        except (RuntimeError, TypeError):  # on a device, bfloat16, sparse, or a lazily conjugated or negated view
+            return None
+    return None
+
+
 def mpi_buffer(x):
     """Return an object mpi4py accepts as a buffer for ``x``'s memory (no copy).
 
@@ -112,12 +131,9 @@ def mpi_buffer(x):
     describes its layout. A Torch tensor that is a lazy conjugate or
     negative view gives a resolved copy instead, fit for reading only.
     """
-    if type(x) is np.ndarray:
-        return x
-    torch = sys.modules.get("torch")
-    if (torch is not None and type(x) is torch.Tensor and x.is_cpu and x.layout is torch.strided and not x.requires_grad
-            and x.dtype is not torch.bfloat16 and not (x.is_conj() or x.is_neg())):
-        return x.numpy()  # the common case, quickly
+    view = host_view(x)
+    if view is not None:
+        return view
     kind = array_kind(x)
     if kind == "numpy":
         return x

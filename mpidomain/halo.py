@@ -52,6 +52,11 @@ __all__ = ["HaloPlan", "halo_exchange"]
 # saves the copy of a 1 MB halo but costs more than copying a 16 KB one (scripts/bench_halo.py).
 _IN_PLACE_RECEIVE_BYTES = 256 * 1024
 
+# A host interior is copied into the padded result in pieces of about this size, the halos polled between
+# them; host tensors at least this large are copied by torch, smaller ones by NumPy (scripts/bench_halo.py:
+# torch's copy_ is the floor of a large tensor's pad, NumPy's of a small one's).
+_PIECE_BYTES = 4 << 20
+
 
 class HaloPlan:
     """Exchange the halo rows of one kind of padded array, again and again.
@@ -147,11 +152,17 @@ class HaloPlan:
         # One message per peer and direction: the layout's blocks for that peer, in tag order.
         self._sends, self._receives = _bundles(layout.sends), _bundles(layout.receives)
         self._zeros, self._copies = layout.zeros, layout.copies
-        self._send_rows_of_shard = [[layout.shard_rows(m.rows) for m in b.blocks] for b in self._sends]
         # Halos leave from contiguous buffers. Large host halos arrive straight in the padded
         # array through subarray datatypes (persistent receives bound to its address, rebound
         # when another array comes); the others arrive in contiguous buffers too.
         self._numpy_dtype = dtype = devices.numpy_dtype(x)
+        # A large host interior is copied in pieces, polling the halos between them: they move only while
+        # the ranks poll, so they then travel during the copy. A large host tensor's pieces are copied by
+        # torch: with rows misaligned against each other (NumPy's and torch's allocations differ), torch's
+        # copy is the faster one; NumPy's costs less per call.
+        nbytes = math.prod(self.shape) * dtype.itemsize
+        self._torch_copies_interior = self.kind == "torch" and not self._device and nbytes >= _PIECE_BYTES
+        self._interior_pieces = layout.interior_pieces(1 if self._device else -(-nbytes // _PIECE_BYTES))
         padded = self.padded_shape
         smallest = min((_elements(padded, b) for b in self._receives), default=0)
         self._receive_in_place = not self.transport.on_device and smallest * dtype.itemsize >= _IN_PLACE_RECEIVE_BYTES
@@ -159,6 +170,13 @@ class HaloPlan:
         self._recv_buffers = [self.transport.buffer((_elements(padded, b),), dtype, x) for b in self._receives]
         self._send_views = [_views(buffer, padded, b) for buffer, b in zip(self._send_buffers, self._sends)]
         self._recv_views = [_views(buffer, padded, b) for buffer, b in zip(self._recv_buffers, self._receives)]
+        # Each block as (where it is read, mirrored along, buffer view): from a shard (pad) or a padded array (exchange).
+        sent = [(m, view) for bundle, views in zip(self._sends, self._send_views) for m, view in zip(bundle.blocks, views)]
+        self._packs_of_shard = [(layout.shard_rows(m.rows), m.flip, view) for m, view in sent]
+        self._packs_of_padded = [(m.rows, m.flip, view) for m, view in sent]
+        # Each received block as (buffer view, ghost rows), unless it arrives in place.
+        self._unpacks = [(view, m.rows) for bundle, views in zip(self._receives, self._recv_views)
+                         for m, view in zip(bundle.blocks, views)]
         self._send_requests = [comm.Send_init(message(buffer), dest=m.peer, tag=m.tag)
                                for m, buffer in zip(self._sends, self._send_buffers)]
         self._recv_types = [struct_of_blocks(padded, dtype.itemsize, [m.rows for m in b.blocks]) for b in self._receives] \
@@ -222,11 +240,12 @@ class HaloPlan:
                 raise ValueError(f"{what} must be C-contiguous for this plan; plan.empty() makes one")
 
     # -- moving halos ---------------------------------------------------------
-    def _begin(self, source, rows, working):
-        """Pack ``rows`` of ``source`` and start the transfers that fill ``working``'s ghost rows."""
-        for regions, bundle, views in zip(rows, self._sends, self._send_views):
-            for region, m, view in zip(regions, bundle.blocks, views):
-                self.transport.pack(devices.flip(source[region], m.flip), view)
+    def _begin(self, source, packs, working):
+        """Pack ``source``'s blocks listed in ``packs`` (``_packs_of_shard`` or ``_packs_of_padded``); start the
+        transfers that fill ``working``'s ghost rows."""
+        pack = self.transport.pack
+        for region, flip, view in packs:
+            pack(devices.flip(source[region], flip) if flip else source[region], view)
         self.transport.synchronize(source)  # MPI must read finished data
         if self._receive_in_place and self._receives:
             self._bind_receives(working)
@@ -234,18 +253,62 @@ class HaloPlan:
             mpi().Prequest.Startall(self._requests)
 
     def _finish(self, working):
-        """Wait for the transfers; fill ``working``'s ghost rows that are not messages or did not arrive in place."""
+        """Wait for the transfers; fill ``working``'s ghost rows."""
+        self._wait_transfers()
+        self._fill_ghosts(working)
+
+    def _copies_first(self, fresh):
+        """Whether a pad copies its interior before it waits for the halos: a large ``fresh`` result (allocated
+        for this call), whose pages are first touched, and mapped, by the copy in order rather than by the
+        receives all over it."""
+        return fresh and len(self._interior_pieces) > 1
+
+    def _copy_interior(self, x, out, source, working, poll):
+        """Copy ``x`` into the interior piece by piece; with ``poll``, poll the halos between the pieces (they
+        move only while the ranks poll); return whether some are still in flight."""
+        pending = poll
+        if self._torch_copies_interior:
+            x = x.detach()
+        for padded_index, tile_index in self._interior_pieces:
+            if pending:
+                pending = not mpi().Request.Testall(self._requests)
+            if self._torch_copies_interior:
+                out[padded_index].copy_(x[tile_index])
+            else:
+                working[padded_index] = source[tile_index]
+        return pending
+
+    def _complete(self, x, out, source, working, fresh, copied=False):
+        """Finish a :meth:`_pad` begun by :meth:`_begin`: copy ``x`` into the interior (unless ``copied``), fill the
+        ghost rows.
+
+        The halos are waited for before a copy in one piece, and polled between the pieces of a larger one
+        into an ``out`` the caller passed; a large ``fresh`` result is copied first (:meth:`_copies_first`)."""
+        pending = bool(self._requests)
+        if not copied:
+            if pending and len(self._interior_pieces) == 1:
+                self._wait_transfers()
+                pending = False
+            self._copy_interior(x, out, source, working, pending and not self._copies_first(fresh))
+        if pending:
+            self._wait_transfers()
+        self._fill_ghosts(working)
+
+    def _wait_transfers(self):
         if self._requests:
             wait_all(self._requests, comm=self._comm, call="halo exchange",
                      awaiting=lambda: _awaiting(self._receives, self._sends))
+
+    def _fill_ghosts(self, working):
+        """Fill ``working``'s ghost rows that are not messages or did not arrive in place."""
         for rows in self._zeros:
             working[rows] = 0
         for source, ghost, flip in self._copies:
             working[ghost] = devices.flip(working[source], flip)
-        if not self._receive_in_place:
-            for bundle, views in zip(self._receives, self._recv_views):
-                for m, view in zip(bundle.blocks, views):
-                    self.transport.unpack(view, working[m.rows])
+        if self._unpacks and not self._receive_in_place:
+            unpack = self.transport.unpack
+            for view, rows in self._unpacks:
+                unpack(view, working[rows])
             self.transport.after_unpack(working)  # the next exchange reuses the staging buffers
 
     def _bind_receives(self, view):
@@ -275,7 +338,7 @@ class HaloPlan:
         self._check_usable()
         self._check_array(padded, self.padded_shape, "padded")
         working = self.transport.view(padded)
-        self._begin(working, [[m.rows for m in b.blocks] for b in self._sends], working)
+        self._begin(working, self._packs_of_padded, working)
         self._in_flight = (padded, working)
 
     def wait(self):
@@ -299,7 +362,8 @@ class HaloPlan:
         """Return ``x`` with ghost rows on both sides along ``dim``, in ``out`` or a new array.
 
         Collective over the domain group: every rank passes its shard. The
-        halos travel while ``x`` is copied into the interior (once).
+        halos are packed and sent, then ``x`` is copied into the interior (once)
+        once they arrived.
         """
         self._check_usable()
         self._check_array(x, self.shape, "x")
@@ -307,21 +371,19 @@ class HaloPlan:
             self._check_array(out, self.padded_shape, "out")
         return self._pad(x, out)
 
-    def _pad(self, x, out=None, views=None):
-        """:meth:`pad` without its checks; ``views``: the :meth:`Transport.view` of ``x`` and of ``out``,
-        which already holds ``x`` in its interior."""
+    def _pad(self, x, out=None, views=None, fresh=None):
+        """:meth:`pad` without its checks; ``views``: the :meth:`Transport.view` of ``x`` and of ``out``
+        (``out`` given too); ``fresh``: whether ``out`` was allocated for this call (default: if None)."""
+        if fresh is None:
+            fresh = out is None
         if views is None:
             if out is None:
                 out, working = self._new_padded()
             else:
                 working = self.transport.view(out)
-            source = self.transport.view(x)
-        else:
-            source, working = views
-        self._begin(source, self._send_rows_of_shard, working)
-        if views is None:
-            working[self._interior] = source
-        self._finish(working)
+            views = (self.transport.view(x), working)
+        self._begin(views[0], self._packs_of_shard, views[1])
+        self._complete(x, out, *views, fresh)
         return out
 
     # -- the adjoint (backward) ---------------------------------------------------
@@ -401,6 +463,7 @@ class HaloPlan:
                 datatype.Free()
         self._requests, self._recv_types, self._messages = [], [], None
         self._send_buffers = self._recv_buffers = self._send_views = self._recv_views = self._like = None
+        self._packs_of_shard = self._packs_of_padded = self._unpacks = []
 
     def __del__(self):
         # Local handles only, so safe at any time; a plan dropped mid-exchange keeps its
@@ -474,12 +537,15 @@ def _awaiting(receives, sends):
             + [f"domain rank {m.peer} to take this rank's message (tag {m.tag})" for m in sends])
 
 
-def _quick_key(x, halo_width, dim, periodic, boundary, call):
-    """What ``x`` and the arguments are, as spelled, cheaply; None if that cannot be hashed."""
+def _quick_key(x, host, halo_width, dim, periodic, boundary, call):
+    """What ``x`` (``host``: its :func:`~mpidomain.devices.host_view`, or None) and the arguments are, as
+    spelled, cheaply; None if that cannot be hashed."""
     try:
-        device = x.device if not isinstance(x, np.ndarray) else None
-        key = (type(x), tuple(x.shape), x.dtype, device, getattr(x, "layout", None), type(halo_width), halo_width,
-               type(dim), dim, type(periodic), periodic, boundary, call)
+        if host is not None:  # host memory: its NumPy view says what it is
+            what = (type(x), host.shape, host.dtype)
+        else:
+            what = (type(x), tuple(x.shape), x.dtype, x.device, getattr(x, "layout", None), "not a host view")
+        key = (what, type(halo_width), halo_width, type(dim), dim, type(periodic), periodic, boundary, call)
         hash(key)
         return key
     except Exception:  # not an array, or an unhashable argument: the full checks report it
@@ -497,22 +563,26 @@ def cached_plan(x, halo_width, dim=None, *, periodic=False, boundary=None, manag
     what each rank had. Each manager keeps its own last
     :data:`~mpidomain.plan_cache.CACHE_SIZE` plans.
     """
-    return _settle(x, halo_width, dim, periodic, boundary, manager, call)[0]  # copy_interior=False: nothing started
+    return _settle(x, halo_width, dim, periodic, boundary, manager, call)[0]  # padding=False: nothing started
 
 
-def _settle(x, halo_width, dim, periodic, boundary, manager, call, out=None, copy_interior=False):
-    """:func:`cached_plan`'s work; return ``(plan, out, views, started)``.
+def _settle(x, halo_width, dim, periodic, boundary, manager, call, out=None, padding=False, fresh=False):
+    """:func:`cached_plan`'s work; return ``(plan, out, views, started, copied)``.
 
     ``out`` is checked with the arguments (a bad one raises on every rank).
-    With ``copy_interior``, a rank that holds a plan for ``x`` copies ``x``
-    into ``out`` (a new padded array if None) while the agreement travels;
-    ``views`` is then the :meth:`Transport.view` of ``x`` and of ``out`` (else None).
-    If ``started``, the plan's halo transfers into ``out`` are in flight: finish them with ``plan._finish``.
+    With ``padding``, a rank that holds a plan for ``x`` prepares ``out`` (a
+    new padded array if None; ``fresh``: the caller passed None) and, where it
+    can, starts the halos with the agreement; ``views`` is then the
+    :meth:`Transport.view` of ``x`` and of ``out`` (else None). If ``started``,
+    the plan's halo transfers into ``out`` are in flight (usually complete),
+    and ``x`` is in ``out``'s interior if ``copied``: finish the pad with
+    ``plan._complete``.
     """
     manager = require_manager(manager, "halo exchange")
     comm = manager.library_comm()
     cache = plan_cache.cache_of(manager)
-    quick = _quick_key(x, halo_width, dim, periodic, boundary, call)
+    host = devices.host_view(x)
+    quick = _quick_key(x, host, halo_width, dim, periodic, boundary, call)
     found = None if quick is None else cache.quick(quick)
     error = None
     if found is not None:  # arguments seen before: their checks passed then, and would again
@@ -538,24 +608,28 @@ def _settle(x, halo_width, dim, periodic, boundary, manager, call, out=None, cop
             error = exc
     # A hit counts only if every rank hit the same plan, the one built together with the same tags:
     # after uneven shards, one rank's key can find a plan its neighbour has since replaced.
-    local = copy_interior and plan is not None and error is None and plan.shape == tuple(x.shape)
+    local = padding and plan is not None and error is None and (found is not None or plan.shape == tuple(x.shape))
     # On a hit, the halos leave with the agreement instead of after it; the agreement lets them finish
     # only if every rank did the same, and settles them on every rank otherwise.
     ahead = AheadMessages() if local else None
     agreement = Agreement(comm, "halo_exchange", signature, plan is None, error, group_mismatch,
                           -1 if plan is None else plan.tag, code, ahead)
-    views, started = None, False
+    views, started, copied = None, False, False
     if local:
         if out is None:
             out, working = plan._new_padded()
         else:
             working = plan.transport.view(out)
-        views = (plan.transport.view(x), working)
+        views = (plan.transport.view(x, host), working)
         if agreement.ahead:
-            plan._begin(views[0], plan._send_rows_of_shard, working)
+            plan._begin(views[0], plan._packs_of_shard, working)
             ahead.sends, ahead.receives = plan._started_messages()
+            ahead.requests = plan._requests
             started = True
-        working[plan._interior] = views[0]  # local work under the agreement
+            if plan._copies_first(fresh):  # under the agreement
+                plan._copy_interior(x, out, views[0], working, False)
+                copied = True
+    # The agreement's wait polls the halos started ahead too, and usually completes them.
     if agreement.result():  # every rank described its arguments, and they agree: build on that
         plan, started = HaloPlan._agreed(x, mine, manager, "halo_exchange"), False
         cache.put(key, plan)
@@ -563,7 +637,7 @@ def _settle(x, halo_width, dim, periodic, boundary, manager, call, out=None, cop
         cache.touch(key)
     if found is None and quick is not None:
         cache.remember(quick, key, (signature, code, mine))
-    return plan, out, views, started
+    return plan, out, views, started, copied
 
 
 def _check_out(out, x, padded_shape, call):
@@ -641,12 +715,13 @@ def halo_exchange(x, halo_width, dim=None, *, periodic=False, boundary=None, man
 
 
 def _padded(x, halo_width, dim, periodic, boundary, manager, call, out=None):
-    """Return ``(plan, x padded)``: :func:`_settle` with ``copy_interior``, then the halos finished (or sent)."""
-    plan, out, views, started = _settle(x, halo_width, dim, periodic, boundary, manager, call, out, copy_interior=True)
+    """Return ``(plan, x padded)``: :func:`_settle` with ``padding``, then the pad finished (or done)."""
+    fresh = out is None
+    plan, out, views, started, copied = _settle(x, halo_width, dim, periodic, boundary, manager, call, out, True, fresh)
     if started:
-        plan._finish(views[1])
+        plan._complete(x, out, *views, fresh, copied)
         return plan, out
-    return plan, plan._pad(x, out, views)
+    return plan, plan._pad(x, out, views, fresh)
 
 
 _FUNCTION = None

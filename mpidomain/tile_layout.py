@@ -141,6 +141,17 @@ class TileLayout:
         """The index of the tile inside a padded array."""
         return self._index({d: slice(h, h + self.shape[d]) for d, h in zip(self.dims, self.halo_widths)})
 
+    def interior_pieces(self, count):
+        """The interior cut into at most ``count`` pieces along the outermost dim longer than one:
+        ``(index of the padded array, index of the tile)`` pairs, in order, together the whole tile."""
+        interior = self.interior
+        dim = next((d for d, n in enumerate(self.shape) if n > 1), 0)
+        n, first = self.shape[dim], interior[dim].start or 0
+        count = max(1, min(count, n))
+        cuts = [k * n // count for k in range(count + 1)]
+        return [(interior[:dim] + (slice(first + a, first + b),) + interior[dim + 1:], self._index({dim: slice(a, b)}))
+                for a, b in zip(cuts, cuts[1:])]
+
     def shard_rows(self, rows):
         """An index of the padded array (inside the tile) as an index of the unpadded tile."""
         shifted = {d: slice(rows[d].start - h, rows[d].stop - h) for d, h in zip(self.dims, self.halo_widths)}

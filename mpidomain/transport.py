@@ -45,11 +45,12 @@ class Transport:
         """True if device memory travels through pinned host buffers (``staged``)."""
         return self.name == "staged"
 
-    def view(self, array):
+    def view(self, array, host=None):
         """Return ``array`` in the form this transport's copies take: a NumPy view of host memory,
-        the (detached) device array itself."""
+        the (detached) device array itself. ``host``: ``array``'s :func:`~mpidomain.devices.host_view`
+        if the caller has it already."""
         if self.name == "host":
-            return devices.mpi_buffer(array)
+            return devices.mpi_buffer(array) if host is None else host
         return array.detach() if devices.array_kind(array) == "torch" else array
 
     def buffer(self, shape, dtype, like):

@@ -22,7 +22,9 @@ Each rank holds one shard of the given shape (float32). Rows, per shape and halo
 - hand-written mpi4py: pack contiguous halos, Isend/Irecv, then concatenate; and the same with a
   non-blocking Allreduce of seven integers started first and completed with the halos ("+ agreement"):
   the least a design that keeps a group-wide step on every call can cost, so the ratio of it to the
-  hand-written row bounds from below what "Torch call / hand-written" can reach;
+  hand-written row bounds from below what "Torch call / hand-written" can reach; and the hand-written
+  exchange of a Torch tensor (``x.numpy()``, the same exchange, ``torch.from_numpy``): what the two
+  calls into torch that any Torch call makes cost on top of the NumPy one;
 - CREDIT's exchange on torch.distributed gloo: P2POps, batch_isend_irecv, then torch.cat. It runs in
   a second phase, after every MPI row, next to ``halo_exchange`` of Torch tensors again: once a
   gloo group exists, its threads share the cores with MPI's polling, which on a 2-core machine
@@ -228,6 +230,7 @@ def bench(shape, h, repetitions, manager, gloo):
         "agreement step": lambda: agree(comm, "halo_exchange", signature, False, None, None, 16, code),
         "hand-written mpi4py": lambda: mpi4py_exchange(comm, x, h, prev_rank, next_rank),
         "hand-written mpi4py + agreement": lambda: mpi4py_exchange(comm, x, h, prev_rank, next_rank, seven),
+        "hand-written mpi4py, torch": lambda: torch.from_numpy(mpi4py_exchange(comm, xt.numpy(), h, prev_rank, next_rank)),
     }, repetitions)
     measured.update(timed({
         "raw transfer": lambda: run(raw_requests),
@@ -270,6 +273,8 @@ def report(shape, h, measured, rows):
         ("agreement step", "hand-written mpi4py", None, "<="),
         ("hand-written mpi4py + agreement", "hand-written mpi4py", None, "<="),
         ("mpidomain pad+exchange torch", "hand-written mpi4py + agreement", None, "<="),
+        ("hand-written mpi4py, torch", "hand-written mpi4py", None, "<="),
+        ("mpidomain pad+exchange torch", "hand-written mpi4py, torch", None, "<="),
         ("CREDIT gloo", "mpidomain pad+exchange torch", (3 if large else 8) if two else None, ">="),
         ("CREDIT gloo", "mpidomain pad+exchange torch, gloo alive", None, ">="),
         ("in-place plan", "raw transfer", 1.2 if two else None, "<="),

@@ -169,6 +169,29 @@ def test_messages_of_a_two_by_two_grid():
     assert layout.shard_rows((slice(1, 2), slice(2, 4))) == (slice(0, 1), slice(0, 2))
 
 
+@pytest.mark.parametrize("shape, dims, widths", [((1, 4, 5, 6), (2,), (1,)), ((7, 5), (0, 1), (2, 1)),
+                                                  ((1, 1, 9), (2,), (3,)), ((3, 2), (1,), (1,))])
+@pytest.mark.parametrize("count", [1, 2, 3, 100])
+def test_interior_pieces_cover_the_tile_once_in_order(shape, dims, widths, count):
+    """The interior's pieces (copied one by one, polling the halos between them) are the tile, cut along the
+    outermost dim longer than one: each element once, as many pieces as asked for up to that dim's extent."""
+    extents = tuple((shape[d],) for d in dims)
+    layout = TileLayout(shape, dims, widths, ("zeros",) * len(dims), extents, (0,) * len(dims), tag=TAG)
+    tile = np.arange(np.prod(shape), dtype=np.float64).reshape(shape) + 1
+    whole = np.zeros(layout.padded_shape)
+    whole[layout.interior] = tile
+    pieces = layout.interior_pieces(count)
+    outer = next(d for d, n in enumerate(shape) if n > 1)
+    assert len(pieces) == min(count, shape[outer])
+    rebuilt, seen = np.zeros(layout.padded_shape), np.zeros(shape)
+    for padded_index, tile_index in pieces:
+        rebuilt[padded_index] += tile[tile_index]
+        seen[tile_index] += 1
+    assert np.array_equal(rebuilt, whole) and np.all(seen == 1)
+    starts = [tile_index[outer].start for _, tile_index in pieces]
+    assert starts == sorted(starts) and starts[0] == 0
+
+
 def test_one_tile_of_the_earth_copies_its_own_rows_mirrored():
     """One rank, fold and periodic: every ghost block is a local copy, the fold rows flipped along latitude."""
     layout = TileLayout((3, 4), (0, 1), (1, 1), ("fold", "periodic"), ((3,), (4,)), (0, 0))
