@@ -677,8 +677,8 @@ def halo_exchange(x, halo_width, dim=None, *, periodic=False, boundary=None, man
     longitude, ``dim=-1``, of a latitude-sharded field) each rank holds the
     whole extent, so the result is a local pad of ``x``: its own wrapped rows
     with ``periodic=True``, zeros otherwise. Every call starts with one small
-    agreement step (a non-blocking Allreduce, overlapped with copying ``x``
-    into the result) that checks the ranks' arguments and settles the plan
+    agreement step (a non-blocking Allreduce, which the halos of a plan found
+    in the cache travel with) that checks the ranks' arguments and settles the plan
     cache alike on every rank; a mismatch raises on every rank. A Torch
     tensor that requires grad is differentiable: backward is the exact adjoint
     (:meth:`HaloPlan.adjoint`).
