@@ -53,8 +53,9 @@ __all__ = ["HaloPlan", "halo_exchange"]
 _IN_PLACE_RECEIVE_BYTES = 256 * 1024
 
 # A host interior is copied into the padded result in pieces of about this size, the halos polled between
-# them; host tensors at least this large are copied by torch, smaller ones by NumPy (scripts/bench_halo.py:
-# torch's copy_ is the floor of a large tensor's pad, NumPy's of a small one's).
+# them (they move only while the ranks poll, so they travel during the copy); host tensors at least this
+# large are copied by torch, smaller ones by NumPy (scripts/bench_halo.py: where the rows of a NumPy and a
+# torch allocation are aligned differently, torch's copy_ is the faster; NumPy's costs less per call).
 _PIECE_BYTES = 4 << 20
 
 
@@ -156,10 +157,7 @@ class HaloPlan:
         # array through subarray datatypes (persistent receives bound to its address, rebound
         # when another array comes); the others arrive in contiguous buffers too.
         self._numpy_dtype = dtype = devices.numpy_dtype(x)
-        # A large host interior is copied in pieces, polling the halos between them: they move only while
-        # the ranks poll, so they then travel during the copy. A large host tensor's pieces are copied by
-        # torch: with rows misaligned against each other (NumPy's and torch's allocations differ), torch's
-        # copy is the faster one; NumPy's costs less per call.
+        # The interior's pieces and who copies them (see _PIECE_BYTES); one piece on a device.
         nbytes = math.prod(self.shape) * dtype.itemsize
         self._torch_copies_interior = self.kind == "torch" and not self._device and nbytes >= _PIECE_BYTES
         self._interior_pieces = layout.interior_pieces(1 if self._device else -(-nbytes // _PIECE_BYTES))
