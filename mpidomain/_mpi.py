@@ -118,14 +118,15 @@ _VALUES = {}  # (code, flag, token, ahead) -> an agreement's values, copied for 
 
 
 def _agreement_values(flag, token, code, ahead):
-    """Return a new int64 array of what one rank brings to an agreement (MAX-reduced: negated twins give the minimum)."""
+    """Return the int64 array of what one rank brings to an agreement (MAX-reduced: negated twins give the minimum);
+    shared: copy it before the reduction writes to it."""
     key = (code, flag, token, ahead)
     values = _VALUES.get(key)
     if values is None:
         if len(_VALUES) >= 1024:
             _VALUES.clear()
         values = _VALUES[key] = np.array([code, -code, int(flag), token, -token, int(ahead), -int(ahead)], dtype=np.int64)
-    return values.copy()
+    return values
 
 
 def _agreement_result(values):
@@ -141,7 +142,9 @@ class Agreement:
     """:func:`agree` in two halves: started here (non-blocking), settled by :meth:`result`.
 
     Collective like :func:`agree`, with the same arguments; local work may
-    run between the halves, overlapping the agreement's latency.
+    run between the halves, overlapping the agreement's latency. With
+    ``start=False`` it is only prepared: each :meth:`start` then begins the
+    same agreement again (a call made again and again prepares it once).
 
     ``ahead`` (:class:`AheadMessages`, optional) are the messages of the call
     itself on ``comm``, which the caller would start before the result: if ``self.ahead``
@@ -154,18 +157,13 @@ class Agreement:
     """
 
     def __init__(self, comm, call, description, flag=False, error=None, mismatch=None, token=0, code=None,
-                 ahead=None):
+                 ahead=None, start=True):
         # Through the communicator the library comms of this membership share: there, a rank using
         # another manager (another owner) in this call meets this one instead of waiting elsewhere.
         handle = comm.py2f()
         shared, self._owner, mark = _ROUTES.get(handle, ([comm], None, 0))
-        agreement_comm = shared[0]
-        if _TIMED_OUT and (handle in _TIMED_OUT or agreement_comm.py2f() in _TIMED_OUT):
-            raise RuntimeError(
-                f"{call}: an earlier mpidomain call on this group timed out waiting for the other ranks, so the "
-                "group's ranks are no longer in step; end the job (and fix the call only some ranks made)"
-            )
-        comm = agreement_comm
+        comm = shared[0]
+        self._handles = {handle, comm.py2f()}
         self._comm, self._call, self._description = comm, call, description
         self._error, self._mismatch = error, mismatch
         local = None if error is None else f"{type(error).__name__}: {error}"
@@ -175,20 +173,60 @@ class Agreement:
         # them meet in this agreement (a shared route), so that a failure can settle them.
         self._ahead = (ahead, self._owner) if ahead is not None and error is None and self._owner is not None else None
         self.ahead = self._ahead is not None
-        self._values = _agreement_values(bool(flag), token, code ^ mark, self.ahead)
-        MPI = mpi()
-        self._request = comm.Iallreduce(MPI.IN_PLACE, self._values, op=MPI.MAX)
+        self._template = _agreement_values(bool(flag), token, code ^ mark, self.ahead)
+        self._values = self._request = None
+        mpi()
+        self._unchanged = False  # whether _values still equal _template (after an agreement that went through)
+        if start:
+            self.start()
+
+    def start(self):
+        """Begin the agreement (again, if prepared); return its request."""
+        if _TIMED_OUT and not _TIMED_OUT.isdisjoint(self._handles):
+            raise RuntimeError(
+                f"{self._call}: an earlier mpidomain call on this group timed out waiting for the other ranks, so "
+                "the group's ranks are no longer in step; end the job (and fix the call only some ranks made)"
+            )
+        values = self._values
+        if not self._unchanged:
+            values = self._values = self._template.copy()
+        self._unchanged = False
+        self._request = request = self._comm.Iallreduce(_MPI.IN_PLACE, values, op=_MPI.MAX)  # mpi() ran: __init__
+        return request
+
+    def wait(self):
+        """Complete the agreement, polling the messages started ahead with it; return True if they completed too."""
+        # The messages may never complete if the ranks are not in step: the agreement's completion ends the poll.
+        ahead = self._ahead[0].requests if self._ahead is not None else None
+        if not ahead:
+            wait_with_deadline(self._comm, self._request, self._call)
+            return False
+        polled = [self._request, *ahead]
+        testall = mpi().Request.Testall
+        for _ in range(_SPINS):  # usually all complete within a few polls: one loop, no clock, for both
+            if testall(polled):
+                return True
+        if _wait(polled, self._comm, self._call, None, True, None, self._request):
+            return True
+        self._request.Wait()  # complete (its status says so): this frees it
+        return False
+
+    def went_through(self):
+        """After :meth:`wait`: True if every rank agreed, no flag was set and (if this rank went ahead) all went ahead."""
+        code, negated, flag, token, negated_token, ahead, all_ahead = self._values.tolist()
+        # If so, every rank brought the same values, so the reduction left them as they were: reusable.
+        self._unchanged = code == -negated and not flag and token == -negated_token and (not ahead or all_ahead == -1)
+        return self._unchanged
 
     def result(self):
         """Wait for the agreement; return the flag set on any rank (or tokens unequal), or raise on every rank."""
-        # The agreement and the messages started ahead are polled together until all are complete, or the
-        # agreement is (the messages may never complete if the ranks are not in step).
-        ahead = self._ahead[0].requests if self._ahead is not None else None
-        completed = bool(ahead) and _wait([self._request, *ahead], self._comm, self._call, None, True, None, self._request)
-        if not completed:
-            wait_with_deadline(self._comm, self._request, self._call)
-        same, any_flag = _agreement_result(self._values)
-        went_ahead, all_went_ahead = bool(self._values[5]), int(self._values[6]) == -1
+        return self.conclude(self.wait())
+
+    def conclude(self, completed):
+        """After :meth:`wait` (``completed``: what it returned): :meth:`result`'s answer."""
+        values = self._values
+        same, any_flag = _agreement_result(values)
+        went_ahead, all_went_ahead = bool(values[5]), int(values[6]) == -1
         if went_ahead and not (same and not any_flag and all_went_ahead):
             _settle_ahead(self._comm, self._ahead, self._call, completed)
             any_flag = True  # the messages are gone: a caller that went ahead must not finish them
@@ -467,18 +505,24 @@ def wait_all(requests, *, comm=None, call="a wait", awaiting=None):
     _wait(requests, comm, call, awaiting, sleep=False)
 
 
+_SPINS = 32  # bare polls before a wait reads the clock: most waits of a small exchange end within them (~10 us)
+
+
 def _wait(requests, comm, call, awaiting, sleep, statuses=None, enough=None):
     """Poll ``requests`` until done (return True) or past the deadline; ``sleep``: also sleep between polls after 1 ms.
 
     ``statuses``, if given, receive the requests' statuses as they complete. ``enough``, one of
     ``requests``: once it is complete (left for its owner to complete again), stop and return False.
     """
-    MPI = mpi()
-    if MPI.Request.Testall(requests, statuses):
-        return True
+    testall = mpi().Request.Testall
+    for _ in range(_SPINS):
+        if testall(requests, statuses):
+            return True
+        if enough is not None and enough.Get_status():
+            return False
     start = time.monotonic()
     pause, limit = 0.0, False  # the setting is read once a wait lasts 1 ms, not on the fast path
-    while not MPI.Request.Testall(requests, statuses):
+    while not testall(requests, statuses):
         if enough is not None and enough.Get_status():
             return False
         waited = time.monotonic() - start

@@ -161,6 +161,8 @@ class HaloPlan:
         nbytes = math.prod(self.shape) * dtype.itemsize
         self._torch_copies_interior = self.kind == "torch" and not self._device and nbytes >= _PIECE_BYTES
         self._interior_pieces = layout.interior_pieces(1 if self._device else -(-nbytes // _PIECE_BYTES))
+        # A host pad whose interior is one NumPy copy: halo_exchange's hits take _pad_found.
+        self._pads_in_one_copy = not self.transport.on_device and len(self._interior_pieces) == 1 and not self._torch_copies_interior
         padded = self.padded_shape
         smallest = min((_elements(padded, b) for b in self._receives), default=0)
         self._receive_in_place = not self.transport.on_device and smallest * dtype.itemsize >= _IN_PLACE_RECEIVE_BYTES
@@ -535,21 +537,6 @@ def _awaiting(receives, sends):
             + [f"domain rank {m.peer} to take this rank's message (tag {m.tag})" for m in sends])
 
 
-def _quick_key(x, host, halo_width, dim, periodic, boundary, call):
-    """What ``x`` (``host``: its :func:`~mpidomain.devices.host_view`, or None) and the arguments are, as
-    spelled, cheaply; None if that cannot be hashed."""
-    try:
-        if host is not None:  # host memory: its NumPy view says what it is
-            what = (type(x), host.shape, host.dtype)
-        else:
-            what = (type(x), tuple(x.shape), x.dtype, x.device, getattr(x, "layout", None), "not a host view")
-        key = (what, type(halo_width), halo_width, type(dim), dim, type(periodic), periodic, boundary, call)
-        hash(key)
-        return key
-    except Exception:  # not an array, or an unhashable argument: the full checks report it
-        return None
-
-
 def cached_plan(x, halo_width, dim=None, *, periodic=False, boundary=None, manager=None, call="pad"):
     """Return the cached :class:`HaloPlan` for ``x``'s shard, building it on a miss.
 
@@ -561,11 +548,50 @@ def cached_plan(x, halo_width, dim=None, *, periodic=False, boundary=None, manag
     what each rank had. Each manager keeps its own last
     :data:`~mpidomain.plan_cache.CACHE_SIZE` plans.
     """
-    return _settle(x, halo_width, dim, periodic, boundary, manager, call)[0]  # padding=False: nothing started
+    found = _lookup(x, halo_width, dim, periodic, boundary, manager, call)
+    return _settle(x, halo_width, dim, periodic, boundary, call, *found)[0]  # padding=False: nothing started
 
 
-def _settle(x, halo_width, dim, periodic, boundary, manager, call, out=None, padding=False, fresh=False):
-    """:func:`cached_plan`'s work; return ``(plan, out, views, started, copied)``.
+class _Spelling:
+    """One spelling of ``halo_exchange``'s arguments the cache has seen (its quick key's entry).
+
+    ``signature`` and ``code`` are what its agreement compares, ``mine`` the
+    :class:`~mpidomain.halo_spec.HaloSpec` they described. ``agreement`` is
+    the pad's :class:`~mpidomain._mpi.Agreement` with the plan's halos to go
+    ahead of it (``ahead``), prepared by the first pad that finds the plan this way and
+    started again by each one after it.
+    """
+
+    __slots__ = ("signature", "code", "mine", "agreement", "ahead")
+
+    def __init__(self, signature, code, mine):
+        self.signature, self.code, self.mine = signature, code, mine
+        self.agreement = self.ahead = None
+
+
+def _lookup(x, halo_width, dim, periodic, boundary, manager, call):
+    """Return ``(manager, cache, host, quick, found)``: the manager, its plan cache, ``x``'s
+    :func:`~mpidomain.devices.host_view`, the quick key (what ``x`` and the arguments are, as spelled,
+    cheaply; None if ``x`` does not say or an argument cannot be hashed) and ``(key, plan, spelling)`` if it
+    is cached (local)."""
+    manager = require_manager(manager, "halo exchange")
+    cache = plan_cache.cache_of(manager)
+    host = devices.host_view(x)
+    arguments = (type(halo_width), halo_width, type(dim), dim, type(periodic), periodic, boundary, call)
+    try:
+        if host is not None:  # host memory: its NumPy view says what it is
+            quick = (type(x), host.shape, host.dtype, *arguments)
+        else:
+            quick = (type(x), tuple(x.shape), x.dtype, x.device, getattr(x, "layout", None), "not a host view",
+                     *arguments)
+        return manager, cache, host, quick, cache.quick(quick)
+    except Exception:  # not an array, or an unhashable argument: the full checks report it
+        return manager, cache, host, None, None
+
+
+def _settle(x, halo_width, dim, periodic, boundary, call, manager, cache, host, quick, found, out=None, padding=False,
+            fresh=False):
+    """:func:`cached_plan`'s work after :func:`_lookup`; return ``(plan, out, views, started, copied)``.
 
     ``out`` is checked with the arguments (a bad one raises on every rank).
     With ``padding``, a rank that holds a plan for ``x`` prepares ``out`` (a
@@ -576,15 +602,11 @@ def _settle(x, halo_width, dim, periodic, boundary, manager, call, out=None, pad
     and ``x`` is in ``out``'s interior if ``copied``: finish the pad with
     ``plan._complete``.
     """
-    manager = require_manager(manager, "halo exchange")
     comm = manager.library_comm()
-    cache = plan_cache.cache_of(manager)
-    host = devices.host_view(x)
-    quick = _quick_key(x, host, halo_width, dim, periodic, boundary, call)
-    found = None if quick is None else cache.quick(quick)
     error = None
     if found is not None:  # arguments seen before: their checks passed then, and would again
-        key, plan, (signature, code, mine) = found
+        key, plan, spelling = found
+        signature, code, mine = spelling.signature, spelling.code, spelling.mine
         padded_shape = plan.padded_shape
     else:
         signature, key, code, padded_shape, mine = None, None, None, None, None
@@ -629,13 +651,67 @@ def _settle(x, halo_width, dim, periodic, boundary, manager, call, out=None, pad
                 copied = True
     # The agreement's wait polls the halos started ahead too, and usually completes them.
     if agreement.result():  # every rank described its arguments, and they agree: build on that
-        plan, started = HaloPlan._agreed(x, mine, manager, "halo_exchange"), False
-        cache.put(key, plan)
+        plan, started = _rebuilt(x, mine, manager, cache, key), False
     else:
-        cache.touch(key)
+        cache.touch(plan)
     if found is None and quick is not None:
-        cache.remember(quick, key, (signature, code, mine))
+        cache.remember(quick, key, _Spelling(signature, code, mine))
     return plan, out, views, started, copied
+
+
+def _rebuilt(x, mine, manager, cache, key):
+    """Build the plan for ``x`` from agreed ``mine`` on every rank, and cache it under ``key``; return it."""
+    plan = HaloPlan._agreed(x, mine, manager, "halo_exchange")
+    cache.put(key, plan)
+    return plan
+
+
+def _pad_found(plan, spelling, x, host, out):
+    """Pad host shard ``x`` (``host``: its NumPy view) into ``out`` (None: a new array) with ``plan``, found by
+    ``spelling``, when a pad is one copy; return the result, or None if the agreement found that some rank
+    missed (every rank's halos are settled: build anew).
+
+    What :func:`_settle` and :meth:`HaloPlan._complete` do on a hit, with what does not change from call
+    to call prepared in ``spelling``: the same agreement, the same messages, in the same order.
+    """
+    agreement = spelling.agreement
+    if agreement is None:
+        spelling.ahead = AheadMessages()
+        agreement = spelling.agreement = Agreement(plan._comm, "halo_exchange", spelling.signature, False, None,
+                                                   group_mismatch, plan.tag, spelling.code, spelling.ahead, start=False)
+    agreement.start()
+    if out is None:
+        working = np.empty(plan.padded_shape, plan._numpy_dtype)
+        out = plan._wrap(working)
+    else:
+        working = devices.host_view(out)
+    ahead = agreement.ahead
+    if ahead:
+        plan._begin(host, plan._packs_of_shard, working)
+        if spelling.ahead.requests is not plan._requests:  # first use, or the receives were rebound
+            messages = spelling.ahead
+            messages.sends, messages.receives = plan._started_messages()
+            messages.requests = plan._requests
+    completed = agreement.wait()
+    if not agreement.went_through():
+        agreement.conclude(completed)  # raises, or settles the halos and says build anew
+        return None
+    if not ahead:
+        plan._begin(host, plan._packs_of_shard, working)
+    if not completed and plan._requests:
+        plan._wait_transfers()
+    working[plan._interior] = host
+    plan._fill_ghosts(working)
+    return out
+
+
+def _fits(out, x, padded_shape, call):
+    """Whether :func:`_check_out` accepts ``out``."""
+    try:
+        _check_out(out, x, padded_shape, call)
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 def _check_out(out, x, padded_shape, call):
@@ -707,15 +783,28 @@ def halo_exchange(x, halo_width, dim=None, *, periodic=False, boundary=None, man
         # Every rank must agree whether a backward will follow: the agreement step checks it.
         call = "pad+grad" if torch.is_grad_enabled() else "pad"
         if out is not None:  # the same agreement as the autograd path's, raising on every rank
-            _settle(x, halo_width, dim, periodic, boundary, manager, "pad+grad", out)
+            found = _lookup(x, halo_width, dim, periodic, boundary, manager, "pad+grad")
+            _settle(x, halo_width, dim, periodic, boundary, "pad+grad", *found, out)
         return _autograd_function().apply(x, halo_width, dim, periodic, boundary, manager, call)
     return _padded(x, halo_width, dim, periodic, boundary, manager, "pad", out)[1]
 
 
 def _padded(x, halo_width, dim, periodic, boundary, manager, call, out=None):
-    """Return ``(plan, x padded)``: :func:`_settle` with ``padding``, then the pad finished (or done)."""
+    """Return ``(plan, x padded)``: on a hit of a pad in one copy, :func:`_pad_found`; else :func:`_settle` with
+    ``padding``, then the pad finished (or done)."""
+    found = _lookup(x, halo_width, dim, periodic, boundary, manager, call)
+    hit = found[4]
+    if hit is not None and found[2] is not None and hit[1]._pads_in_one_copy:
+        plan = hit[1]
+        if out is None or _fits(out, x, plan.padded_shape, call):  # else the general path reports it on every rank
+            padded = _pad_found(plan, hit[2], x, found[2], out)
+            if padded is not None:
+                found[1].touch(plan)
+                return plan, padded
+            plan = _rebuilt(x, hit[2].mine, found[0], found[1], hit[0])
+            return plan, plan._pad(x, out)
     fresh = out is None
-    plan, out, views, started, copied = _settle(x, halo_width, dim, periodic, boundary, manager, call, out, True, fresh)
+    plan, out, views, started, copied = _settle(x, halo_width, dim, periodic, boundary, call, *found, out, True, fresh)
     if started:
         plan._complete(x, out, *views, fresh, copied)
         return plan, out

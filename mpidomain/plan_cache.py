@@ -17,6 +17,7 @@ CACHE_SIZE = 16
 _CACHES = weakref.WeakKeyDictionary()  # manager -> PlanCache
 _LIVE = weakref.WeakSet()  # every plan not yet freed, so a closing manager frees its own
 _WATCHED = weakref.WeakSet()  # managers whose close() frees their plans
+_LAST = [lambda: None, None]  # weak reference to the manager cache_of answered last, and its cache
 
 
 class PlanCache:
@@ -25,29 +26,33 @@ class PlanCache:
     Besides the key (what a rank's arrays and arguments describe), each plan
     may be found by quick keys: the arguments as the caller spelled them, so
     the hot path skips validating arguments it has seen before. A quick key
-    stores what validation returned (``info``), for the agreement step.
+    stores what validation returned (``info``), for the agreement step. The
+    hot path hashes neither the key nor the plan's description: the recency
+    order is kept by plan.
     """
 
     def __init__(self, size=CACHE_SIZE):
         self.size = size
-        self._plans = OrderedDict()  # key -> plan
-        self._quick = {}  # quick key -> (key, plan, info)
+        self._plans = {}  # key -> plan
+        self._order = OrderedDict()  # id(plan) -> key, least recently used first
+        self._quick = {}  # quick key -> (key, plan, info); the entry keeps its plan alive, so its id stays its own
 
     def __len__(self):
         return len(self._plans)
 
     def plans(self):
         """Return the cached plans, least recently used first."""
-        return list(self._plans.values())
+        return [self._plans[key] for key in self._order.values()]
 
     def get(self, key):
-        """Return the plan under ``key``, or None."""
-        return self._plans.get(key)
+        """Return the plan under ``key``, or None (also if the program freed it)."""
+        plan = self._plans.get(key)
+        return None if plan is None or plan.freed else plan
 
     def quick(self, quick_key):
-        """Return (key, plan, info) stored under ``quick_key`` if its plan is still cached, else None."""
+        """Return (key, plan, info) stored under ``quick_key`` if its plan is still cached (and not freed), else None."""
         entry = self._quick.get(quick_key)
-        if entry is None or self._plans.get(entry[0]) is not entry[1]:
+        if entry is None or id(entry[1]) not in self._order or entry[1].freed:
             return None
         return entry
 
@@ -57,32 +62,38 @@ class PlanCache:
             self._quick.clear()
         self._quick[quick_key] = (key, self._plans[key], info)
 
-    def touch(self, key):
-        """Mark the plan under ``key`` as the most recently used."""
-        self._plans.move_to_end(key)
+    def touch(self, plan):
+        """Mark cached ``plan`` as the most recently used."""
+        self._order.move_to_end(id(plan))
 
     def put(self, key, plan):
         """Cache ``plan`` under ``key``, freeing the plan it replaces and the least recently used beyond ``size``."""
         old = self._plans.pop(key, None)
         if old is not None:
+            del self._order[id(old)]
             old.free()
         self._plans[key] = plan
+        self._order[id(plan)] = key
         while len(self._plans) > self.size:
-            self._plans.popitem(last=False)[1].free()
+            self._plans.pop(self._order.popitem(last=False)[1]).free()
 
     def clear(self):
         """Free every cached plan."""
-        plans, self._plans, self._quick = self.plans(), OrderedDict(), {}
+        plans, self._plans, self._order, self._quick = self.plans(), {}, OrderedDict(), {}
         for plan in plans:
             plan.free()
 
 
 def cache_of(manager):
     """Return ``manager``'s :class:`PlanCache` (made on first use; local)."""
+    last, cache = _LAST
+    if last() is manager:
+        return cache
     cache = _CACHES.get(manager)
     if cache is None:
         cache = _CACHES[manager] = PlanCache()
         _watch(manager)
+    _LAST[:] = weakref.ref(manager), cache
     return cache
 
 
@@ -112,6 +123,8 @@ def _watch(manager):
 def _release_plans_of(manager):
     """Free every plan of ``manager`` (its close() calls this)."""
     cache = _CACHES.pop(manager, None)
+    if _LAST[0]() is manager:
+        _LAST[:] = lambda: None, None
     if cache is not None:
         cache.clear()
     for plan in [p for p in _LIVE if p.manager is manager]:

@@ -21,19 +21,22 @@ __all__ = ["Transport", "transport_for"]
 
 
 class Transport:
-    """The way one kind of array travels through MPI: ``name`` is ``host``, ``direct`` or ``staged``."""
+    """The way one kind of array travels through MPI: ``name`` is ``host``, ``direct`` or ``staged``.
 
-    __slots__ = ("name",)
+    ``on_device`` is True if the arrays live in device memory (direct or staged).
+    ``pack(region, buffer)`` copies ``region`` (of a :meth:`view`) into ``buffer`` (of
+    :meth:`buffer`), ``unpack(buffer, region)`` back: plain functions, chosen once here, since
+    a halo exchange calls them for every block of every call.
+    """
+
+    __slots__ = ("name", "on_device", "pack", "unpack")
 
     def __init__(self, name):
         if name not in ("host", "direct", "staged"):
             raise ValueError(f"transport must be 'host', 'direct' or 'staged', got {name!r}")
         self.name = name
-
-    @property
-    def on_device(self):
-        """True if the arrays live in device memory (direct or staged)."""
-        return self.name != "host"
+        self.on_device = name != "host"
+        self.pack, self.unpack = _COPIES[name]
 
     @property
     def device_memory_to_mpi(self):
@@ -61,24 +64,6 @@ class Transport:
         if self.name == "staged":
             return devices.pinned_empty(shape, dtype, like=like)
         return devices.empty(shape, like=like)
-
-    def pack(self, region, buffer):
-        """Copy ``region`` (of a :meth:`view`) into ``buffer`` (of :meth:`buffer`)."""
-        if self.name == "host":
-            np.copyto(buffer, region)
-        elif self.name == "staged":
-            devices.copy_to_host(region, buffer)
-        else:
-            devices.assign(buffer, region)
-
-    def unpack(self, buffer, region):
-        """Copy ``buffer`` into ``region`` (of a :meth:`view`)."""
-        if self.name == "host":
-            region[...] = buffer
-        elif self.name == "staged":
-            devices.copy_to_device(buffer, region)
-        else:
-            devices.assign(region, buffer)
 
     def accumulate(self, buffer, region):
         """Add ``buffer`` onto ``region``, a view of an array of its own kind (not of :meth:`view`:
@@ -149,6 +134,16 @@ class Transport:
     def __repr__(self):
         return f"Transport({self.name!r})"
 
+
+def _swapped(copy):
+    """``copy(destination, source)`` as ``(source, destination)``."""
+    return lambda source, destination: copy(destination, source)
+
+
+# Each way's pack(region, buffer) and unpack(buffer, region): both copy their first argument into the second.
+_COPIES = {"host": (_swapped(np.copyto), _swapped(np.copyto)),
+           "staged": (devices.copy_to_host, devices.copy_to_device),
+           "direct": (_swapped(devices.assign), _swapped(devices.assign))}
 
 _TRANSPORTS = {name: Transport(name) for name in ("host", "direct", "staged")}
 

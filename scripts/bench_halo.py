@@ -22,9 +22,10 @@ Each rank holds one shard of the given shape (float32). Rows, per shape and halo
 - hand-written mpi4py: pack contiguous halos, Isend/Irecv, then concatenate; and the same with a
   non-blocking Allreduce of seven integers started first and completed with the halos ("+ agreement"):
   the least a design that keeps a group-wide step on every call can cost, so the ratio of it to the
-  hand-written row bounds from below what "Torch call / hand-written" can reach; and the hand-written
+  hand-written row bounds from below what "Torch call / hand-written" can reach; the hand-written
   exchange of a Torch tensor (``x.numpy()``, the same exchange, ``torch.from_numpy``): what the two
-  calls into torch that any Torch call makes cost on top of the NumPy one;
+  calls into torch that any Torch call makes cost on top of the NumPy one; and both together ("+
+  agreement, torch"): the least a Torch call that keeps a group-wide step on every call can cost;
 - CREDIT's exchange on torch.distributed gloo: P2POps, batch_isend_irecv, then torch.cat. It runs in
   a second phase, after every MPI row, next to ``halo_exchange`` of Torch tensors again: once a
   gloo group exists, its threads share the cores with MPI's polling, which on a 2-core machine
@@ -36,13 +37,16 @@ Each rank holds one shard of the given shape (float32). Rows, per shape and halo
   into the ghost rows).
 
 Times are medians (and minima) over repetitions, each call started after a barrier, of the
-slowest rank; ratios compare medians. Targets (at 2 and 4 ranks) are printed as pass/miss:
+slowest rank; the rows take turns, in an order shuffled each round (the same on every rank), so
+that neither the machine's load nor what the row before left in the caches favours one row;
+ratios compare medians. Targets (at 2 and 4 ranks) are printed as pass/miss:
 small field, the Torch call <= 1.25x hand-written mpi4py and <= 1.15x the NumPy call; large
 field, ``out=`` <= 1.10x the copy floor and a new result <= 1.10x hand-written mpi4py.
 """
 
 import argparse
 import os
+import random
 import statistics
 import sys
 import time
@@ -63,14 +67,21 @@ def timed(functions, repetitions, warmup=3):
     """(median, min) seconds of each ``functions[name]()`` on the slowest rank, in a dict.
 
     The functions take turns, one call each per round (every call after a barrier), so a
-    change in the machine's load hits them all alike rather than whichever ran then.
+    change in the machine's load hits them all alike rather than whichever ran then; in an
+    order shuffled each round, the same on every rank, so that no function always runs after
+    the same one (a call after one that allocated or touched a megabyte of other memory finds
+    colder caches: a fixed order would favour whichever follows a light one).
     """
     for function in functions.values():
         for _ in range(warmup):
             function()
     times = {name: [] for name in functions}
+    order = random.Random(12345)  # the same sequence of orders on every rank
+    names = list(functions)
     for _ in range(repetitions):
-        for name, function in functions.items():
+        order.shuffle(names)
+        for name in names:
+            function = functions[name]
             WORLD.Barrier()
             start = time.perf_counter()
             function()
@@ -231,6 +242,8 @@ def bench(shape, h, repetitions, manager, gloo):
         "hand-written mpi4py": lambda: mpi4py_exchange(comm, x, h, prev_rank, next_rank),
         "hand-written mpi4py + agreement": lambda: mpi4py_exchange(comm, x, h, prev_rank, next_rank, seven),
         "hand-written mpi4py, torch": lambda: torch.from_numpy(mpi4py_exchange(comm, xt.numpy(), h, prev_rank, next_rank)),
+        "hand-written mpi4py + agreement, torch": lambda: torch.from_numpy(
+            mpi4py_exchange(comm, xt.numpy(), h, prev_rank, next_rank, seven)),
     }, repetitions)
     measured.update(timed({
         "raw transfer": lambda: run(raw_requests),
@@ -275,6 +288,8 @@ def report(shape, h, measured, rows):
         ("mpidomain pad+exchange torch", "hand-written mpi4py + agreement", None, "<="),
         ("hand-written mpi4py, torch", "hand-written mpi4py", None, "<="),
         ("mpidomain pad+exchange torch", "hand-written mpi4py, torch", None, "<="),
+        ("hand-written mpi4py + agreement, torch", "hand-written mpi4py", None, "<="),
+        ("mpidomain pad+exchange torch", "hand-written mpi4py + agreement, torch", None, "<="),
         ("CREDIT gloo", "mpidomain pad+exchange torch", (3 if large else 8) if two else None, ">="),
         ("CREDIT gloo", "mpidomain pad+exchange torch, gloo alive", None, ">="),
         ("in-place plan", "raw transfer", 1.2 if two else None, "<="),
@@ -305,7 +320,7 @@ def main():
     cases = [((1, 64, 180, 1440), 1), ((1, 64, 180, 1440), 3), ((2, 16, 64, 128), 1)]
     if args.shapes != "all":
         cases = [case for case in cases if (case[0][-2] * case[0][-1] >= 100_000) == (args.shapes == "large")]
-    repetitions = [args.repetitions or (20 if shape[-2] * shape[-1] >= 100_000 else 200) for shape, _ in cases]
+    repetitions = [args.repetitions or (60 if shape[-2] * shape[-1] >= 100_000 else 1000) for shape, _ in cases]
     measured = [bench(shape, h, n, manager, gloo=False) for (shape, h), n in zip(cases, repetitions)]
     mpidomain.init_torch_distributed(backend="gloo")  # after MPI's rows: gloo's threads share the cores
     for (shape, h), n, rows_of_case in zip(cases, repetitions, measured):

@@ -346,13 +346,19 @@ def test_gpu_arrays_match_the_reference(world, monkeypatch, aware):
         halo.devices.cuda_aware_decision(refresh=True)
 
 
+@pytest.mark.parametrize("copy", ["one copy", "pieces of 64 bytes"])
 @pytest.mark.parametrize("receive", sorted(RECEIVES))
 @pytest.mark.parametrize("kind", ["numpy", "torch"])
-def test_interior_copied_in_pieces_matches_the_reference(world, monkeypatch, kind, receive):
-    """A large shard's interior is copied in pieces, the halos polled between them (torch copies a tensor's):
-    pieces of 64 bytes make every shard here large, for new results, out= and a held plan."""
-    monkeypatch.setattr(halo, "_PIECE_BYTES", 64)
+def test_hits_out_and_held_plans_match_the_reference(world, monkeypatch, kind, receive, copy):
+    """A call that finds its plan pads exactly: with an interior of one copy through the hit's prepared path
+    (halo._pad_found); with pieces of 64 bytes (every shard here large) copied in pieces, the halos polled
+    between them (torch copies a tensor's); for new results, out= and a held plan."""
+    if copy != "one copy":
+        monkeypatch.setattr(halo, "_PIECE_BYTES", 64)
     monkeypatch.setattr(halo, "_IN_PLACE_RECEIVE_BYTES", RECEIVES[receive])
+    prepared = []
+    original = halo._pad_found
+    monkeypatch.setattr(halo, "_pad_found", lambda *arguments: prepared.append(1) or original(*arguments))
     layouts = {**LAYOUTS, "2d-dim0": (("N", 5), 0)}
     for name, (template, dim) in sorted(layouts.items()):
         for d, h, periodic, uneven in all_cases(world):
@@ -360,14 +366,24 @@ def test_interior_copied_in_pieces_matches_the_reference(world, monkeypatch, kin
                 shard, expected = local_case(manager, template, dim, h, periodic, uneven)
                 x = as_kind(shard, kind)
                 case = f"{name} D={d} h={h} periodic={periodic} uneven={uneven}"
-                for _ in range(2):  # a plan built, then found in the cache (halos sent with the agreement)
+                for _ in range(3):  # a plan built, then found in the cache (halos sent with the agreement)
                     assert np.array_equal(to_numpy(halo_exchange(x, h, periodic=periodic, manager=manager)), expected), case
                 out = as_kind(np.full(expected.shape, -7, shard.dtype), kind)
                 assert halo_exchange(x, h, periodic=periodic, manager=manager, out=out) is out
                 assert np.array_equal(to_numpy(out), expected), case
                 with HaloPlan(x, h, periodic=periodic, manager=manager) as plan:
-                    assert len(plan._interior_pieces) > 1 or shard.size * shard.itemsize <= 64, case
+                    one_copy = plan._pads_in_one_copy
+                    if copy == "one copy":
+                        assert one_copy, case
+                    else:
+                        assert len(plan._interior_pieces) > 1 or shard.size * shard.itemsize <= 64, case
                     assert np.array_equal(to_numpy(plan.pad(x)), expected), case
+                hits = len(prepared)  # out= is a hit now: the prepared path's if the pad is one copy
+                to_numpy(out)[...] = -7
+                assert halo_exchange(x, h, periodic=periodic, manager=manager, out=out) is out
+                assert np.array_equal(to_numpy(out), expected), case
+                assert len(prepared) == hits + one_copy, case
+    assert len(prepared) > 0
 
 
 @pytest.mark.parametrize("kind", ["numpy", "torch"])

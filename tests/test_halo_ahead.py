@@ -10,7 +10,33 @@ import numpy as np
 import pytest
 
 import mpidomain
-from mpidomain import _mpi, gather_tensor, halo_exchange
+from mpidomain import _mpi, gather_tensor, halo, halo_exchange
+
+
+@pytest.fixture(autouse=True, params=["buffer receives", "datatype receives"])
+def receive(request, monkeypatch):
+    """Every case with halos received into buffers, and straight into the padded result (rebound to each new one)."""
+    monkeypatch.setattr(halo, "_IN_PLACE_RECEIVE_BYTES", 0 if request.param == "datatype receives" else 1 << 60)
+    return request.param
+
+
+@pytest.fixture
+def prepared(monkeypatch):
+    """Record what each pad through a hit's prepared path returned (None: the agreement said build anew), or
+    "raised"."""
+    results = []
+    original = halo._pad_found
+
+    def recording(*arguments):
+        try:
+            results.append(original(*arguments))
+        except Exception:
+            results.append("raised")
+            raise
+        return results[-1]
+
+    monkeypatch.setattr(halo, "_pad_found", recording)
+    return results
 
 
 @pytest.fixture
@@ -72,12 +98,28 @@ def needs_two(world):
         pytest.skip("needs 2 ranks: one rank sends no halo")
 
 
-def test_a_repeated_call_finishes_what_it_started(manager, world, settled):
+def test_a_repeated_call_finishes_what_it_started(manager, world, settled, prepared):
     needs_two(world)
     x = shard(world, 4)
     results = [halo_exchange(x + k, 1) for k in range(3)]  # the first builds; the others go ahead
     assert all_true(world, all(np.array_equal(r, padded(world, x + k, 1)) for k, r in enumerate(results)))
     assert settled == []
+    assert all_true(world, len(prepared) == 2 and all(r is not None for r in prepared)), prepared
+
+
+def test_a_hit_into_out_goes_ahead_and_a_bad_out_raises_on_every_rank(manager, world, settled, prepared):
+    needs_two(world)
+    x = shard(world, 4)
+    out = np.full((2, 6, 8), -7.0)
+    for k in range(3):  # the first builds; the others go ahead, into the same out
+        assert halo_exchange(x + k, 1, out=out) is out
+        assert all_true(world, np.array_equal(out, padded(world, x + k, 1)))
+    assert all_true(world, len(prepared) == 2 and settled == [])
+    wrong = np.empty((2, 7, 8)) if world.rank == 0 else out  # one rank's out does not fit: no rank goes ahead
+    raised = message_of(lambda: halo_exchange(x, 1, out=wrong), ValueError)
+    assert all_true(world, raised is not None and "out must be a numpy array" in raised), raised
+    assert all_true(world, prepared[2:] == ([] if world.rank == 0 else ["raised"]) and len(settled) == 1), settled
+    assert next_exchange_is_exact(world)
 
 
 def test_another_call_on_one_rank_settles_the_started_halos(manager, world, settled):
@@ -101,14 +143,16 @@ def test_other_arguments_on_one_rank_settle_the_started_halos(manager, world, se
     assert next_exchange_is_exact(world)
 
 
-def test_a_miss_on_one_rank_settles_the_others_halos_and_builds_anew(manager, world, settled):
+def test_a_miss_on_one_rank_settles_the_others_halos_and_builds_anew(manager, world, settled, prepared):
     needs_two(world)
     x = shard(world, 4)
     halo_exchange(x, 1)
     # The last rank's extent changes (uneven shards are legal): it misses, the others hit and go ahead.
-    z = shard(world, 5 if world.rank == world.size - 1 else 4, offset=500.0)
+    last = world.rank == world.size - 1
+    z = shard(world, 5 if last else 4, offset=500.0)
     assert all_true(world, np.array_equal(halo_exchange(z, 1), padded(world, z, 1)))
     assert all_true(world, len(settled) == 1)
+    assert all_true(world, [type(r) for r in prepared] == ([] if last else [type(None)]))  # the hits built anew
     assert next_exchange_is_exact(world)
 
 
@@ -125,3 +169,19 @@ def test_tensors_in_a_graph_go_ahead_and_settle_alike(manager, world, settled):
     assert all_true(world, raised is not None and len(settled) == 1), (raised, settled)
     t = torch.tensor(x + 1000.0, requires_grad=True)
     assert all_true(world, np.array_equal(halo_exchange(t, 1).detach().numpy(), padded(world, x + 1000.0, 1)))
+
+
+def test_a_cached_plan_freed_on_one_rank_is_a_miss_there_and_all_build_anew(manager, world, settled, prepared):
+    needs_two(world)
+    x = shard(world, 4)
+    halo_exchange(x, 1)
+    if world.rank == 0:  # the program frees the cached plan on one rank only
+        mpidomain.plan_cache.cached_plans(manager)[0].free()
+    y = x + 250.0
+    assert all_true(world, np.array_equal(halo_exchange(y, 1), padded(world, y, 1)))
+    # Rank 0 missed: the others went ahead, settled their halos and built anew with it.
+    assert all_true(world, len(settled) == 1)
+    assert all_true(world, [type(r) for r in prepared] == ([] if world.rank == 0 else [type(None)]))
+    plans = mpidomain.plan_cache.cached_plans(manager)
+    assert all_true(world, len(plans) == 1 and not plans[0].freed)
+    assert next_exchange_is_exact(world)
