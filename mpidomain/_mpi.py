@@ -175,7 +175,7 @@ class Agreement:
         self.ahead = self._ahead is not None
         self._template = _agreement_values(bool(flag), token, code ^ mark, self.ahead)
         self._values = self._request = None
-        mpi()
+        mpi()  # MPI is up: start() reads the module directly
         self._unchanged = False  # whether _values still equal _template (after an agreement that went through)
         if start:
             self.start()
@@ -201,12 +201,7 @@ class Agreement:
         if not ahead:
             wait_with_deadline(self._comm, self._request, self._call)
             return False
-        polled = [self._request, *ahead]
-        testall = mpi().Request.Testall
-        for _ in range(_SPINS):  # usually all complete within a few polls: one loop, no clock, for both
-            if testall(polled):
-                return True
-        if _wait(polled, self._comm, self._call, None, True, None, self._request):
+        if _wait([self._request, *ahead], self._comm, self._call, None, True, None, self._request):
             return True
         self._request.Wait()  # complete (its status says so): this frees it
         return False
@@ -505,9 +500,6 @@ def wait_all(requests, *, comm=None, call="a wait", awaiting=None):
     _wait(requests, comm, call, awaiting, sleep=False)
 
 
-_SPINS = 32  # bare polls before a wait reads the clock: most waits of a small exchange end within them (~10 us)
-
-
 def _wait(requests, comm, call, awaiting, sleep, statuses=None, enough=None):
     """Poll ``requests`` until done (return True) or past the deadline; ``sleep``: also sleep between polls after 1 ms.
 
@@ -515,11 +507,8 @@ def _wait(requests, comm, call, awaiting, sleep, statuses=None, enough=None):
     ``requests``: once it is complete (left for its owner to complete again), stop and return False.
     """
     testall = mpi().Request.Testall
-    for _ in range(_SPINS):
-        if testall(requests, statuses):
-            return True
-        if enough is not None and enough.Get_status():
-            return False
+    if testall(requests, statuses):
+        return True
     start = time.monotonic()
     pause, limit = 0.0, False  # the setting is read once a wait lasts 1 ms, not on the fast path
     while not testall(requests, statuses):

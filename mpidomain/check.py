@@ -16,7 +16,7 @@ import numpy as np
 
 from . import devices, info, transport
 from ._mpi import _ranges, mpi
-from .halo import halo_exchange
+from .halo_call import halo_exchange
 from .sharding import balanced_split, gather_tensor, shard_tensor
 from .manager import library_comm
 

@@ -1,4 +1,4 @@
-"""Halo exchange along the sharded dimension: reusable plans and ``halo_exchange``.
+"""Halo exchange along the sharded dimension: reusable plans (``halo_exchange`` is :mod:`mpidomain.halo_call`'s).
 
 Each rank of a domain group holds a slab of a global field along ``dim``;
 a stencil (a convolution) on that slab needs ``halo_width`` rows of each
@@ -40,12 +40,12 @@ import numpy as np
 
 from . import devices, plan_cache, transport
 from ._datatypes import block_shape, message, struct_of_blocks
-from ._mpi import AheadMessages, Agreement, agreement_code, is_active, mpi, wait_all
+from ._mpi import is_active, mpi, wait_all
 from ._validate import require_manager
-from .halo_spec import agree_inputs, check_tiles, describe, group_mismatch
+from .halo_spec import agree_inputs, check_tiles, describe
 from .tile_layout import TileLayout
 
-__all__ = ["HaloPlan", "halo_exchange"]
+__all__ = ["HaloPlan"]
 
 # Host halos at least this large arrive straight in the padded array through a subarray datatype;
 # smaller ones in a contiguous buffer, then one copy. With MPICH on shared memory the datatype
@@ -161,7 +161,7 @@ class HaloPlan:
         nbytes = math.prod(self.shape) * dtype.itemsize
         self._torch_copies_interior = self.kind == "torch" and not self._device and nbytes >= _PIECE_BYTES
         self._interior_pieces = layout.interior_pieces(1 if self._device else -(-nbytes // _PIECE_BYTES))
-        # A host pad whose interior is one NumPy copy: halo_exchange's hits take _pad_found.
+        # A host pad whose interior is one NumPy copy: halo_exchange's hits take _pad_prepared.
         self._pads_in_one_copy = not self.transport.on_device and len(self._interior_pieces) == 1 and not self._torch_copies_interior
         padded = self.padded_shape
         smallest = min((_elements(padded, b) for b in self._receives), default=0)
@@ -386,6 +386,59 @@ class HaloPlan:
         self._complete(x, out, *views, fresh)
         return out
 
+    # -- a halo_exchange call that found the plan in its cache (halo_call.py) -----------------
+    def _go_ahead(self, x, host, out, fresh, agreement, messages):
+        """Prepare ``x``'s padded result (into ``out``, or a new array if None; ``fresh``: the caller passed None)
+        and, if ``agreement.ahead``, start its halos now, listing them in ``messages``
+        (:class:`~mpidomain._mpi.AheadMessages`); return ``(out, views, started, copied)``: ``views`` the
+        :meth:`Transport.view` of ``x`` (``host``: its host view, or None) and of ``out``, ``copied`` whether ``x``
+        is in the interior already. Finish with :meth:`_complete` if ``started``, else :meth:`_pad`."""
+        if out is None:
+            out, working = self._new_padded()
+        else:
+            working = self.transport.view(out)
+        views = (self.transport.view(x, host), working)
+        if not agreement.ahead:
+            return out, views, False, False
+        self._begin(views[0], self._packs_of_shard, working)
+        messages.sends, messages.receives = self._started_messages()
+        messages.requests = self._requests
+        copied = self._copies_first(fresh)
+        if copied:  # under the agreement
+            self._copy_interior(x, out, views[0], working, False)
+        return out, views, True, copied
+
+    def _pad_prepared(self, agreement, messages, host, out):
+        """Pad host shard ``host`` (a NumPy view; the plan's ``_pads_in_one_copy``) into ``out`` (None: a new array),
+        its halos started with ``agreement`` (prepared, ``start=False``) and listed in ``messages``; return the
+        result, or None if the agreement found that some rank missed (every rank's halos are settled: build anew).
+
+        What :meth:`_go_ahead` and :meth:`_complete` do, with what does not change from call to call prepared
+        once: the same agreement, the same messages, in the same order."""
+        agreement.start()
+        if out is None:
+            working = np.empty(self.padded_shape, self._numpy_dtype)
+            out = self._wrap(working)
+        else:
+            working = devices.host_view(out)
+        ahead = agreement.ahead
+        if ahead:
+            self._begin(host, self._packs_of_shard, working)
+            if messages.requests is not self._requests:  # first use, or the receives were rebound
+                messages.sends, messages.receives = self._started_messages()
+                messages.requests = self._requests
+        completed = agreement.wait()
+        if not agreement.went_through():
+            agreement.conclude(completed)  # raises, or settles the halos and says build anew
+            return None
+        if not ahead:
+            self._begin(host, self._packs_of_shard, working)
+        if not completed and self._requests:
+            self._wait_transfers()
+        working[self._interior] = host
+        self._fill_ghosts(working)
+        return out
+
     # -- the adjoint (backward) ---------------------------------------------------
     def adjoint(self, grad):
         """Return the gradient of the unpadded shard, given ``grad`` of the padded array.
@@ -535,316 +588,3 @@ def _awaiting(receives, sends):
     """What each request of a transfer (receives first, then sends) waits for, in words, for a timeout's message."""
     return ([f"the message from domain rank {m.peer} (tag {m.tag})" for m in receives]
             + [f"domain rank {m.peer} to take this rank's message (tag {m.tag})" for m in sends])
-
-
-def cached_plan(x, halo_width, dim=None, *, periodic=False, boundary=None, manager=None, call="pad"):
-    """Return the cached :class:`HaloPlan` for ``x``'s shard, building it on a miss.
-
-    Collective over the domain group, on every call: one small agreement step
-    checks that every rank passed the same arguments (all but the extent along
-    ``dim``) for the same ``call`` (``"pad"``, ``"pad+grad"``, ``"adjoint"``)
-    and settles hit or miss for all ranks at once: if any rank misses, all
-    build a new plan together. A disagreement raises on every rank, listing
-    what each rank had. Each manager keeps its own last
-    :data:`~mpidomain.plan_cache.CACHE_SIZE` plans.
-    """
-    found = _lookup(x, halo_width, dim, periodic, boundary, manager, call)
-    return _settle(x, halo_width, dim, periodic, boundary, call, *found)[0]  # padding=False: nothing started
-
-
-class _Spelling:
-    """One spelling of ``halo_exchange``'s arguments the cache has seen (its quick key's entry).
-
-    ``signature`` and ``code`` are what its agreement compares, ``mine`` the
-    :class:`~mpidomain.halo_spec.HaloSpec` they described. ``agreement`` is
-    the pad's :class:`~mpidomain._mpi.Agreement` with the plan's halos to go
-    ahead of it (``ahead``), prepared by the first pad that finds the plan this way and
-    started again by each one after it.
-    """
-
-    __slots__ = ("signature", "code", "mine", "agreement", "ahead")
-
-    def __init__(self, signature, code, mine):
-        self.signature, self.code, self.mine = signature, code, mine
-        self.agreement = self.ahead = None
-
-
-def _lookup(x, halo_width, dim, periodic, boundary, manager, call):
-    """Return ``(manager, cache, host, quick, found)``: the manager, its plan cache, ``x``'s
-    :func:`~mpidomain.devices.host_view`, the quick key (what ``x`` and the arguments are, as spelled,
-    cheaply; None if ``x`` does not say or an argument cannot be hashed) and ``(key, plan, spelling)`` if it
-    is cached (local)."""
-    manager = require_manager(manager, "halo exchange")
-    cache = plan_cache.cache_of(manager)
-    host = devices.host_view(x)
-    arguments = (type(halo_width), halo_width, type(dim), dim, type(periodic), periodic, boundary, call)
-    try:
-        if host is not None:  # host memory: its NumPy view says what it is
-            quick = (type(x), host.shape, host.dtype, *arguments)
-        else:
-            quick = (type(x), tuple(x.shape), x.dtype, x.device, getattr(x, "layout", None), "not a host view",
-                     *arguments)
-        return manager, cache, host, quick, cache.quick(quick)
-    except Exception:  # not an array, or an unhashable argument: the full checks report it
-        return manager, cache, host, None, None
-
-
-def _settle(x, halo_width, dim, periodic, boundary, call, manager, cache, host, quick, found, out=None, padding=False,
-            fresh=False):
-    """:func:`cached_plan`'s work after :func:`_lookup`; return ``(plan, out, views, started, copied)``.
-
-    ``out`` is checked with the arguments (a bad one raises on every rank).
-    With ``padding``, a rank that holds a plan for ``x`` prepares ``out`` (a
-    new padded array if None; ``fresh``: the caller passed None) and, where it
-    can, starts the halos with the agreement; ``views`` is then the
-    :meth:`Transport.view` of ``x`` and of ``out`` (else None). If ``started``,
-    the plan's halo transfers into ``out`` are in flight (usually complete),
-    and ``x`` is in ``out``'s interior if ``copied``: finish the pad with
-    ``plan._complete``.
-    """
-    comm = manager.library_comm()
-    error = None
-    if found is not None:  # arguments seen before: their checks passed then, and would again
-        key, plan, spelling = found
-        signature, code, mine = spelling.signature, spelling.code, spelling.mine
-        padded_shape = plan.padded_shape
-    else:
-        signature, key, code, padded_shape, mine = None, None, None, None, None
-        try:
-            mine = describe(x, halo_width, dim, periodic, manager, boundary)
-            kind = devices.array_kind(x)
-            device = str(x.device) if kind == "torch" else x.device.id if kind == "cupy" else None
-            key = (mine, tuple(x.shape), device)  # this rank's plan; not the call kind
-            signature = dict(mine.signature(), call=call)
-            code = agreement_code("halo_exchange", signature)
-            padded_shape = mine.padded_shape(tuple(x.shape))
-        except (TypeError, ValueError) as exc:
-            error = exc
-        plan = None if key is None else cache.get(key)
-    if out is not None and error is None:
-        try:
-            _check_out(out, x, padded_shape, call)
-        except (TypeError, ValueError) as exc:
-            error = exc
-    # A hit counts only if every rank hit the same plan, the one built together with the same tags:
-    # after uneven shards, one rank's key can find a plan its neighbour has since replaced.
-    local = padding and plan is not None and error is None and (found is not None or plan.shape == tuple(x.shape))
-    # On a hit, the halos leave with the agreement instead of after it; the agreement lets them finish
-    # only if every rank did the same, and settles them on every rank otherwise.
-    ahead = AheadMessages() if local else None
-    agreement = Agreement(comm, "halo_exchange", signature, plan is None, error, group_mismatch,
-                          -1 if plan is None else plan.tag, code, ahead)
-    views, started, copied = None, False, False
-    if local:
-        if out is None:
-            out, working = plan._new_padded()
-        else:
-            working = plan.transport.view(out)
-        views = (plan.transport.view(x, host), working)
-        if agreement.ahead:
-            plan._begin(views[0], plan._packs_of_shard, working)
-            ahead.sends, ahead.receives = plan._started_messages()
-            ahead.requests = plan._requests
-            started = True
-            if plan._copies_first(fresh):  # under the agreement
-                plan._copy_interior(x, out, views[0], working, False)
-                copied = True
-    # The agreement's wait polls the halos started ahead too, and usually completes them.
-    if agreement.result():  # every rank described its arguments, and they agree: build on that
-        plan, started = _rebuilt(x, mine, manager, cache, key), False
-    else:
-        cache.touch(plan)
-    if found is None and quick is not None:
-        cache.remember(quick, key, _Spelling(signature, code, mine))
-    return plan, out, views, started, copied
-
-
-def _rebuilt(x, mine, manager, cache, key):
-    """Build the plan for ``x`` from agreed ``mine`` on every rank, and cache it under ``key``; return it."""
-    plan = HaloPlan._agreed(x, mine, manager, "halo_exchange")
-    cache.put(key, plan)
-    return plan
-
-
-def _pad_found(plan, spelling, x, host, out):
-    """Pad host shard ``x`` (``host``: its NumPy view) into ``out`` (None: a new array) with ``plan``, found by
-    ``spelling``, when a pad is one copy; return the result, or None if the agreement found that some rank
-    missed (every rank's halos are settled: build anew).
-
-    What :func:`_settle` and :meth:`HaloPlan._complete` do on a hit, with what does not change from call
-    to call prepared in ``spelling``: the same agreement, the same messages, in the same order.
-    """
-    agreement = spelling.agreement
-    if agreement is None:
-        spelling.ahead = AheadMessages()
-        agreement = spelling.agreement = Agreement(plan._comm, "halo_exchange", spelling.signature, False, None,
-                                                   group_mismatch, plan.tag, spelling.code, spelling.ahead, start=False)
-    agreement.start()
-    if out is None:
-        working = np.empty(plan.padded_shape, plan._numpy_dtype)
-        out = plan._wrap(working)
-    else:
-        working = devices.host_view(out)
-    ahead = agreement.ahead
-    if ahead:
-        plan._begin(host, plan._packs_of_shard, working)
-        if spelling.ahead.requests is not plan._requests:  # first use, or the receives were rebound
-            messages = spelling.ahead
-            messages.sends, messages.receives = plan._started_messages()
-            messages.requests = plan._requests
-    completed = agreement.wait()
-    if not agreement.went_through():
-        agreement.conclude(completed)  # raises, or settles the halos and says build anew
-        return None
-    if not ahead:
-        plan._begin(host, plan._packs_of_shard, working)
-    if not completed and plan._requests:
-        plan._wait_transfers()
-    working[plan._interior] = host
-    plan._fill_ghosts(working)
-    return out
-
-
-def _fits(out, x, padded_shape, call):
-    """Whether :func:`_check_out` accepts ``out``."""
-    try:
-        _check_out(out, x, padded_shape, call)
-    except (TypeError, ValueError):
-        return False
-    return True
-
-
-def _check_out(out, x, padded_shape, call):
-    """Raise TypeError/ValueError unless ``out`` can hold ``x``'s padded result of ``padded_shape``."""
-    if call == "pad+grad":
-        raise TypeError("out= cannot take the result of a tensor that requires grad (autograd needs a result of "
-                        "its own); drop out=, or pass x.detach()")
-    kind, expected = devices.array_kind(out), devices.array_kind(x)
-    if (kind != expected or out.dtype != x.dtype or tuple(out.shape) != padded_shape
-            or devices.is_device_array(out) != devices.is_device_array(x)):
-        where = "device" if devices.is_device_array(x) else "host"
-        raise ValueError(
-            f"out must be a {expected} array on the {where} of shape {padded_shape} and dtype {x.dtype} (x with "
-            f"the halos), got a {kind} array of shape {tuple(out.shape)} and dtype {out.dtype}"
-            f"{' on the device' if devices.is_device_array(out) else ''}; allocate it like x with the padded shape"
-        )
-    if kind == "torch" and (out.is_conj() or out.is_neg() or out.requires_grad):
-        raise ValueError("out must be a plain tensor that does not require grad (not a lazily conjugated or negated "
-                         "view); allocate a new one, e.g. torch.empty_like")
-    if not (out.is_contiguous() if kind == "torch" else out.flags.c_contiguous):
-        raise ValueError(f"out must be C-contiguous, got strides {tuple(out.stride() if kind == 'torch' else out.strides)}; "
-                         "allocate a new one, e.g. numpy.empty or torch.empty")
-
-
-def halo_exchange(x, halo_width, dim=None, *, periodic=False, boundary=None, manager=None, out=None):
-    """Return ``x`` padded with ``halo_width`` of its neighbours' rows on both sides along ``dim``.
-
-    Collective over the domain group: call on every rank of the group, each
-    with its own shard (same dtype, device kind and extents except along
-    ``dim``), the same ``halo_width``, ``dim`` and ``periodic``. Each rank
-    gets a new array of ``x``'s kind, dtype and device with
-    ``x.shape[dim] + 2 * halo_width`` rows along ``dim``: the previous rank's
-    last rows, ``x``, the next rank's first rows; zeros at the ends of the
-    domain group, or the rows from the other end when ``periodic=True``. The
-    result has that shape for any D, one rank included (CREDIT returns ``x``
-    unpadded when D=1). Along a dimension the manager does not shard (e.g.
-    longitude, ``dim=-1``, of a latitude-sharded field) each rank holds the
-    whole extent, so the result is a local pad of ``x``: its own wrapped rows
-    with ``periodic=True``, zeros otherwise. Every call starts with one small
-    agreement step (a non-blocking Allreduce, which the halos of a plan found
-    in the cache travel with) that checks the ranks' arguments and settles the plan
-    cache alike on every rank; a mismatch raises on every rank. A Torch
-    tensor that requires grad is differentiable: backward is the exact adjoint
-    (:meth:`HaloPlan.adjoint`).
-    ``out``, a C-contiguous array of the result's kind, dtype, device and
-    shape, receives the result instead of a new array (reusing it saves the
-    allocation, which for a large result costs as much as the copy).
-
-    With tiles (a manager of ``(D_lat, D_lon)``), several dims or
-    ``boundary="earth"``, ``x`` is padded along each dim (default: the
-    manager's ``shard_dims``; ``(-2, -1)`` with the Earth) with the blocks the
-    neighbours hold, the diagonal ones' corners included; see :class:`HaloPlan`.
-    For example, on 2 x 2 tiles of a 4 x 6 field, ``halo_exchange(x, 1)``
-    gives each rank its 2 x 3 tile inside a 4 x 5 array: its own values, one
-    row of the tile north or south of it, one column of the tile east or west,
-    one corner of the diagonal tile, zeros beyond the field's edges.
-
-    :param x: This rank's shard: NumPy array, CuPy array or Torch tensor.
-    :param halo_width: Ghost rows on each side (<= every rank's extent along ``dim``); or one per dim.
-    :param dim: Sharded dimension, or a tuple of dims; default ``manager.shard_dim``.
-    :param periodic: Wrap around the ends of the domain group (or one per dim).
-    :param boundary: ``None`` or ``"earth"`` (see :class:`HaloPlan`; ``periodic`` must stay False).
-    :param manager: Default: the global manager from ``initialize_domain_parallel``.
-    :param out: Where to write the result (not with a tensor that requires grad).
-    """
-    if getattr(x, "requires_grad", False) is True:  # a Torch tensor in an autograd graph
-        import torch
-
-        # Every rank must agree whether a backward will follow: the agreement step checks it.
-        call = "pad+grad" if torch.is_grad_enabled() else "pad"
-        if out is not None:  # the same agreement as the autograd path's, raising on every rank
-            found = _lookup(x, halo_width, dim, periodic, boundary, manager, "pad+grad")
-            _settle(x, halo_width, dim, periodic, boundary, "pad+grad", *found, out)
-        return _autograd_function().apply(x, halo_width, dim, periodic, boundary, manager, call)
-    return _padded(x, halo_width, dim, periodic, boundary, manager, "pad", out)[1]
-
-
-def _padded(x, halo_width, dim, periodic, boundary, manager, call, out=None):
-    """Return ``(plan, x padded)``: on a hit of a pad in one copy, :func:`_pad_found`; else :func:`_settle` with
-    ``padding``, then the pad finished (or done)."""
-    found = _lookup(x, halo_width, dim, periodic, boundary, manager, call)
-    hit = found[4]
-    if hit is not None and found[2] is not None and hit[1]._pads_in_one_copy:
-        plan = hit[1]
-        if out is None or _fits(out, x, plan.padded_shape, call):  # else the general path reports it on every rank
-            padded = _pad_found(plan, hit[2], x, found[2], out)
-            if padded is not None:
-                found[1].touch(plan)
-                return plan, padded
-            plan = _rebuilt(x, hit[2].mine, found[0], found[1], hit[0])
-            return plan, plan._pad(x, out)
-    fresh = out is None
-    plan, out, views, started, copied = _settle(x, halo_width, dim, periodic, boundary, call, *found, out, True, fresh)
-    if started:
-        plan._complete(x, out, *views, fresh, copied)
-        return plan, out
-    return plan, plan._pad(x, out, views, fresh)
-
-
-_FUNCTION = None
-
-
-def _autograd_function():
-    """Return the torch.autograd.Function behind :func:`halo_exchange` on a tensor that requires grad.
-
-    Built on first use (torch is imported lazily). Forward pads with the
-    neighbours' rows; backward is the exact adjoint: each ghost row's gradient
-    returns to the rank that owns the row and is added onto it
-    (:meth:`HaloPlan.adjoint`), periodic wrap and mirrored fold rows included.
-    """
-    global _FUNCTION
-    if _FUNCTION is not None:
-        return _FUNCTION
-    import torch
-
-    class HaloExchangeFunction(torch.autograd.Function):
-        """Pad with the neighbours' rows; backward sends ghost-row gradients back to their owners."""
-
-        @staticmethod
-        def forward(ctx, x, halo_width, dim, periodic, boundary, manager, call):
-            plan, padded = _padded(x, halo_width, dim, periodic, boundary, manager, call)
-            ctx.plan_arguments = (halo_width, dim, periodic, boundary, plan.manager, plan.layout.interior)
-            return padded
-
-        @staticmethod
-        @torch.autograd.function.once_differentiable
-        def backward(ctx, grad):
-            halo_width, dim, periodic, boundary, manager, interior = ctx.plan_arguments
-            # The plan is found again (it may have left halo_exchange's cache since the forward)
-            # from a view with the unpadded shard's shape, dtype and device.
-            plan = cached_plan(grad[interior], halo_width, dim, periodic=periodic, boundary=boundary,
-                               manager=manager, call="adjoint")
-            return plan.adjoint(grad), None, None, None, None, None, None
-
-    _FUNCTION = HaloExchangeFunction
-    return _FUNCTION

@@ -13,7 +13,7 @@ import pytest
 from mpi4py import MPI
 
 import mpidomain
-from mpidomain import DomainParallelManager, HaloPlan, halo, halo_exchange, plan_cache
+from mpidomain import DomainParallelManager, HaloPlan, halo, halo_call, halo_exchange, plan_cache
 from mpitest import divisors
 
 # (shape with N marking the sharded extent, dim)
@@ -213,7 +213,7 @@ def test_cache_is_bounded_and_frees_evicted_plans(world):
 def test_manager_close_frees_plans(world):
     manager = DomainParallelManager(world.size, world.size)
     x = np.zeros((2, 4, 3))
-    cached = halo.cached_plan(x, 1, 1, manager=manager)
+    cached = halo_call.cached_plan(x, 1, 1, manager=manager)
     own = HaloPlan(x, 2, 1, periodic=True, manager=manager)
     own.exchange(own.pad(x))
     manager.close()
@@ -351,14 +351,14 @@ def test_gpu_arrays_match_the_reference(world, monkeypatch, aware):
 @pytest.mark.parametrize("kind", ["numpy", "torch"])
 def test_hits_out_and_held_plans_match_the_reference(world, monkeypatch, kind, receive, copy):
     """A call that finds its plan pads exactly: with an interior of one copy through the hit's prepared path
-    (halo._pad_found); with pieces of 64 bytes (every shard here large) copied in pieces, the halos polled
+    (halo_call._pad_found); with pieces of 64 bytes (every shard here large) copied in pieces, the halos polled
     between them (torch copies a tensor's); for new results, out= and a held plan."""
     if copy != "one copy":
         monkeypatch.setattr(halo, "_PIECE_BYTES", 64)
     monkeypatch.setattr(halo, "_IN_PLACE_RECEIVE_BYTES", RECEIVES[receive])
     prepared = []
-    original = halo._pad_found
-    monkeypatch.setattr(halo, "_pad_found", lambda *arguments: prepared.append(1) or original(*arguments))
+    original = halo_call._pad_found
+    monkeypatch.setattr(halo_call, "_pad_found", lambda *arguments: prepared.append(1) or original(*arguments))
     layouts = {**LAYOUTS, "2d-dim0": (("N", 5), 0)}
     for name, (template, dim) in sorted(layouts.items()):
         for d, h, periodic, uneven in all_cases(world):

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import mpidomain
-from mpidomain import _mpi, gather_tensor, halo, halo_exchange
+from mpidomain import _mpi, gather_tensor, halo, halo_call, halo_exchange
 
 
 @pytest.fixture(autouse=True, params=["buffer receives", "datatype receives"])
@@ -25,7 +25,7 @@ def prepared(monkeypatch):
     """Record what each pad through a hit's prepared path returned (None: the agreement said build anew), or
     "raised"."""
     results = []
-    original = halo._pad_found
+    original = halo_call._pad_found
 
     def recording(*arguments):
         try:
@@ -35,7 +35,7 @@ def prepared(monkeypatch):
             raise
         return results[-1]
 
-    monkeypatch.setattr(halo, "_pad_found", recording)
+    monkeypatch.setattr(halo_call, "_pad_found", recording)
     return results
 
 

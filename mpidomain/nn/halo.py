@@ -14,7 +14,7 @@ wraps around the domain group's ends.
 
 import torch
 
-from ..halo import halo_exchange
+from ..halo_call import halo_exchange
 
 __all__ = ["HaloExchange"]
 
