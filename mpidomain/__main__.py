@@ -1,10 +1,12 @@
-"""Command line: ``python -m mpidomain info|check|demo`` under any launcher.
+"""Command line: ``python -m mpidomain info|check|demo|forecast`` under any launcher.
 
 ``info`` prints every rank's place in the domain-parallel mesh; ``check`` tests a
 cluster end to end (halo exchange, shard/gather, link bandwidth, devices) and exits
 0 with a one-line verdict, or 1 naming what failed on which ranks; ``demo`` trains a
 small U-Net domain-parallel next to the same steps on one process and exits 0 if
-the two models agree.
+the two models agree; ``forecast`` runs the whole job from disk to disk (a
+synthetic ERA5-like store by default): trains domain x data parallel, saves and
+resumes a checkpoint, forecasts, writes the forecast by tile and scores it.
 """
 
 import argparse
@@ -40,6 +42,10 @@ class _Parser(argparse.ArgumentParser):
         if mpi().COMM_WORLD.Get_rank() == 0:
             super()._print_message(message, file)
 
+    def error(self, message):
+        """Exit with status 2 and one line naming the mistake."""
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
 
 def _parser():
     parser = _Parser(prog="python -m mpidomain", description=__doc__,
@@ -60,7 +66,65 @@ def _parser():
     demo.add_argument("--steps", type=int, default=5, help="training steps (default: 5)")
     demo.add_argument("--size", type=_size, default=(128, 256), metavar="HxW",
                       help="latitudes x longitudes of the synthetic fields (default: 128x256)")
+    _forecast_options(commands.add_parser(
+        "forecast", help="train, checkpoint, forecast and score from a Zarr store (a synthetic one by default)",
+        description="Train a model domain x data parallel on a Zarr store (by default a small synthetic ERA5-like "
+                    "one made on the spot), with multi-step rollout fine-tuning; save a checkpoint; forecast from it; "
+                    "write the forecast by tile; print the latitude-weighted RMSE per channel and one summary line."))
     return parser
+
+
+def _forecast_options(parser):
+    defaults = _forecast_defaults()
+    parser.add_argument("--data", metavar="PATH", help="Zarr store with time x [level x] latitude x longitude "
+                        "variables (default: write a synthetic ERA5-like store in --out)")
+    parser.add_argument("--variables", type=_names, metavar="A,B,...",
+                        help="variables of the store to model (default: all on its grid)")
+    parser.add_argument("--domain-parallel-size", "-D", type=_domain_size, default=None, metavar="D|DLATxDLON",
+                        help="ranks per domain group, or tiles such as 2x2; the other ranks form data-parallel "
+                             "groups (default: 2 where the ranks are even, else 1)")
+    parser.add_argument("--steps", type=int, default=defaults.steps,
+                        help=f"training steps; the last third trains on rollouts (default: {defaults.steps})")
+    parser.add_argument("--train-rollout", type=int, default=defaults.train_rollout, metavar="K",
+                        help=f"rollout steps of the fine-tuning (default: {defaults.train_rollout})")
+    parser.add_argument("--rollout", type=int, default=defaults.rollout, metavar="K",
+                        help=f"forecast steps (default: {defaults.rollout})")
+    parser.add_argument("--batch", type=int, default=defaults.batch,
+                        help=f"samples per step over all data-parallel groups (default: {defaults.batch})")
+    parser.add_argument("--out", metavar="PATH", help="folder for the synthetic store, checkpoint and forecast "
+                        "(default: a new temporary folder)")
+    parser.add_argument("--plot", metavar="PNG", help="draw the loss curve and a forecast field beside the truth")
+    parser.add_argument("--model", choices=("auto", "cnn", "crossformer"), default=defaults.model,
+                        help="CREDIT's CrossFormer, the built-in U-Net, or auto: CrossFormer where CREDIT is "
+                             "installed (default: auto)")
+    parser.add_argument("--dtype", choices=("float32", "float64"), default=defaults.dtype,
+                        help=f"precision of the model and samples (default: {defaults.dtype})")
+    parser.add_argument("--grid", type=_size, default=defaults.grid, metavar="HxW",
+                        help="latitudes x longitudes of the synthetic store (default: %s)" % "x".join(
+                            map(str, defaults.grid)))
+    parser.add_argument("--times", type=int, default=defaults.times,
+                        help=f"time steps of the synthetic store (default: {defaults.times})")
+    parser.add_argument("--lr", type=float, default=defaults.lr, help=f"Adam's learning rate (default: {defaults.lr})")
+    parser.add_argument("--seed", type=int, default=defaults.seed, help="seed of the weights and the samples drawn")
+    parser.add_argument("--resume", metavar="CHECKPOINT", help="continue training from a checkpoint (any -D)")
+    parser.add_argument("--stop-after", type=int, metavar="STEP",
+                        help="stop after this training step with a checkpoint (resume later with --resume)")
+    parser.add_argument("--estimate", action="store_true",
+                        help="print the predicted activation memory per rank for this layout, then stop")
+
+
+def _forecast_defaults():
+    from .forecast.settings import ForecastSettings  # no torch: the settings are plain data
+
+    return ForecastSettings()
+
+
+def _names(text):
+    """Parse --variables: comma-separated names."""
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    if not names:
+        raise argparse.ArgumentTypeError(f"expected variable names such as t,u,t2m, got {text!r}")
+    return names
 
 
 def _device_policy(text):
@@ -114,6 +178,17 @@ def _demo(args):
     if args.steps < 1:
         raise ValueError(f"--steps must be >= 1, got {args.steps}")
     return run_demo(args.steps, args.domain_parallel_size, args.size, out=lambda line: print(line, flush=True))
+
+
+def _forecast(args):
+    from .forecast import ForecastSettings, run_forecast  # imports torch, xarray and zarr
+
+    settings = ForecastSettings(
+        data=args.data, variables=args.variables, domain=args.domain_parallel_size, steps=args.steps,
+        train_rollout=args.train_rollout, rollout=args.rollout, batch=args.batch, out=args.out, plot=args.plot,
+        model=args.model, dtype=args.dtype, grid=args.grid, times=args.times, lr=args.lr, seed=args.seed,
+        resume=args.resume, stop_after=args.stop_after, estimate=args.estimate)
+    return run_forecast(settings, out=lambda line: print(line, flush=True))
 
 
 def _manager(args, size):
@@ -170,7 +245,12 @@ def main(argv=None):
     """Run the command line; return the process exit status."""
     args = _parser().parse_args(argv)
     try:
-        return {"info": _info, "check": _check, "demo": _demo}[args.command](args)
+        return {"info": _info, "check": _check, "demo": _demo, "forecast": _forecast}[args.command](args)
+    except ImportError as error:  # the same installation on every rank
+        if mpi().COMM_WORLD.Get_rank() == 0:
+            print(f"python -m mpidomain {args.command}: error: {error}; install torch and the extra it needs "
+                  "(pip install 'mpidomain[forecast]' for forecast)", file=sys.stderr, flush=True)
+        return 2
     except (ValueError, TypeError, RuntimeError) as error:
         # Raised on every rank alike (mpidomain's collective checks): report once.
         if mpi().COMM_WORLD.Get_rank() == 0:

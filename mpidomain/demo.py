@@ -19,44 +19,15 @@ import torch.nn.functional as F
 
 from ._mpi import mpi
 from .manager import initialize_domain_parallel, library_comm
+from .models import UNet, convert_model
+from .nn import allreduce_gradients
 from .reduce import allreduce
 from .sharding import shard_tensor
-from .nn import DomainParallelPeriodicConv2d, allreduce_gradients, convert_to_domain_parallel
 
-__all__ = ["UNet", "synthetic_batch", "run_demo"]
+__all__ = ["synthetic_batch", "run_demo"]
 
 TOLERANCE = 1e-5
 SAMPLES_PER_REPLICA = 2
-
-
-class PeriodicConv(torch.nn.Module):
-    """A 3x3 convolution padded circularly in longitude and with zeros in latitude."""
-
-    def __init__(self, channels_in, channels_out):
-        super().__init__()
-        self.conv = torch.nn.Conv2d(channels_in, channels_out, 3, padding=(1, 0))
-
-    def forward(self, x):
-        return self.conv(F.pad(x, (1, 1, 0, 0), mode="circular"))
-
-
-class UNet(torch.nn.Module):
-    """A small U-Net: periodic 3x3 convolutions, GroupNorm, a stride-2 level down and a transposed one up."""
-
-    def __init__(self, channels=2, width=16):
-        super().__init__()
-        self.encode = PeriodicConv(channels, width)
-        self.norm = torch.nn.GroupNorm(4, width)
-        self.down = torch.nn.Conv2d(width, 2 * width, 4, stride=2, padding=1)
-        self.norm_down = torch.nn.GroupNorm(4, 2 * width)
-        self.middle = PeriodicConv(2 * width, 2 * width)
-        self.up = torch.nn.ConvTranspose2d(2 * width, width, 4, stride=2, padding=1)
-        self.decode = torch.nn.Conv2d(2 * width, channels, 1)
-
-    def forward(self, x):
-        skip = F.silu(self.norm(self.encode(x)))
-        deep = F.silu(self.middle(F.silu(self.norm_down(self.down(skip)))))
-        return x + self.decode(torch.cat([skip, self.up(deep)], dim=1))
 
 
 def synthetic_batch(step, samples, channels, height, width):
@@ -80,14 +51,6 @@ def synthetic_batch(step, samples, channels, height, width):
         shift = int(round(3 * math.cos(float(lat[row, 0]))))
         targets[..., row, :] = np.roll(fields[..., row, :], shift, axis=-1)
     return torch.from_numpy(fields).float(), torch.from_numpy(targets).float()
-
-
-def _periodic_conv(module, manager):
-    """The domain-parallel :class:`PeriodicConv`: its parameters, the longitude wrap through the halos."""
-    inner = module.conv
-    conv = torch.nn.Conv2d(inner.in_channels, inner.out_channels, inner.kernel_size, padding=1)
-    conv.weight, conv.bias = inner.weight, inner.bias
-    return DomainParallelPeriodicConv2d(conv, manager.shard_dim, manager)
 
 
 def _parameters_difference(a, b):
@@ -116,8 +79,7 @@ def run_demo(steps=5, domain_parallel_size=2, size=(128, 256), channels=2, out=p
             )
         torch.manual_seed(0)
         single = UNet(channels)
-        parallel = convert_to_domain_parallel(copy.deepcopy(single), manager=manager,
-                                              custom_converters={PeriodicConv: lambda m: _periodic_conv(m, manager)})
+        parallel = convert_model(copy.deepcopy(single), manager)
         optimizers = [torch.optim.Adam(m.parameters(), lr=1e-3) for m in (single, parallel)]
         replicas = manager.data_parallel_size
         batch = SAMPLES_PER_REPLICA * replicas

@@ -40,6 +40,7 @@ import numpy as np
 
 from . import devices, plan_cache, transport
 from ._datatypes import block_shape, message, struct_of_blocks
+from ._exit import stands_down_at_exit
 from ._mpi import is_active, mpi, wait_all
 from ._validate import require_manager
 from .halo_spec import agree_inputs, check_tiles, describe
@@ -59,6 +60,7 @@ _IN_PLACE_RECEIVE_BYTES = 256 * 1024
 _PIECE_BYTES = 4 << 20
 
 
+@stands_down_at_exit
 class HaloPlan:
     """Exchange the halo rows of one kind of padded array, again and again.
 
@@ -520,8 +522,9 @@ class HaloPlan:
 
     def __del__(self):
         # Local handles only, so safe at any time; a plan dropped mid-exchange keeps its
-        # requests (freeing an active request would let MPI write into freed memory).
-        if not getattr(self, "_freed", True) and getattr(self, "_in_flight", None) is None:
+        # requests (freeing an active request would let MPI write into freed memory). At
+        # interpreter exit the module globals _release needs are going: MPI_Finalize frees them.
+        if not self._exiting and not getattr(self, "_freed", True) and getattr(self, "_in_flight", None) is None:
             self._release()
 
     @property

@@ -24,6 +24,7 @@ import warnings
 from . import abort, binding
 from . import torch_bridge as bridge
 from ._current import closed_error, current_manager, forget, make_current
+from ._exit import stands_down_at_exit
 from ._mpi import _ranges, check_same, forget_timeout, is_active, mpi, share_agreements, unshare_agreements
 from ._validate import is_int
 from .launcher import check_launcher_world, detect_launcher
@@ -98,6 +99,7 @@ def _argument_error(world_size, domain_parallel_size, shard_dim, comm_size, tens
     return None
 
 
+@stands_down_at_exit
 class DomainParallelManager:
     """Build and hold the domain-parallel and data-parallel communicators.
 
@@ -474,7 +476,8 @@ class DomainParallelManager:
         self.close()
 
     def __del__(self):
-        if not getattr(self, "_closed", True) and is_active():
+        # At interpreter exit an open manager is no leak: MPI_Finalize frees its communicators.
+        if not self._exiting and not getattr(self, "_closed", True) and is_active():
             warnings.warn(f"unclosed {self!r}: call close() (collective) or use a with block",
                           ResourceWarning, stacklevel=2)
 
@@ -529,3 +532,15 @@ def initialize_domain_parallel(world_size, domain_parallel_size, shard_dim=-2, *
 def get_domain_parallel_manager():
     """Return the global :class:`DomainParallelManager`, or None before initialisation."""
     return current_manager()
+
+
+def __getattr__(name):
+    """Read ``_MANAGER``, the seed's module data (CREDIT's ``manager._MANAGER``), as the current manager.
+
+    The current manager lives in :mod:`mpidomain._current`; reading
+    ``mpidomain.manager._MANAGER`` gives what :func:`get_domain_parallel_manager`
+    returns, at any time. Local.
+    """
+    if name == "_MANAGER":
+        return current_manager()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -335,7 +335,15 @@ def destroy_torch_groups(groups):
 
 def _clear_dtensor_caches():
     """Clear DTensor's sharding-propagation caches (Python and C++) and its redistribution planner's."""
-    from torch.distributed.tensor import _redistribute, debug
+    from torch.distributed.tensor import _collective_utils, _redistribute, debug
 
     debug._clear_sharding_prop_cache()
     _redistribute._gen_transform_infos.cache_clear()
+    # Newer torch also caches by mesh its redistribution planners and each mesh's topology, holding the mesh and
+    # so its groups: a closed manager's gloo groups, with their threads, would live on.
+    clear_planners = getattr(_redistribute, "clear_redistribute_planner_cache", None)
+    if clear_planners is not None:
+        clear_planners()
+    topology = getattr(getattr(_collective_utils, "MeshTopoInfo", None), "build_from_mesh", None)
+    if hasattr(topology, "cache_clear"):
+        topology.cache_clear()

@@ -1,4 +1,4 @@
-"""Read only your tile: bytes, peak memory and time per rank, against every rank reading the whole sample.
+"""Read and write only your tile: bytes, peak memory and time per rank, against whole samples on every rank or one.
 
     mpiexec -n 1 python scripts/bench_io.py
     mpiexec -n 2 python scripts/bench_io.py
@@ -31,6 +31,23 @@ the resident memory before: what the method added; glibc set to return freed blo
 both methods run once untimed first); wall time per sample (slowest rank, median
 over steps). Ratios are select_tile over the baseline in the same run. The store was just
 written, so reads come from the page cache: times measure decoding and copying, not a disk.
+
+Then writing: each rank holds its tile of every sample (read with ``select_tile``, untimed) and
+the samples go into a new store, one call per time step appended along ``time``, two ways that
+give the same store (checked: the datasets equal):
+
+- ``gather+write`` (the baseline): ``gather_tensor`` every variable's whole field, rank 0 writes
+  it with xarray's ``to_zarr``;
+- ``write_tile``: every rank writes the chunks whose first row and column its tile holds, after
+  the ranks that share them sent it their rows.
+
+Two chunkings of the written store: ``tiles`` (each chunk as large as the largest tile, write_tile's
+default) and ``bands`` (``--band`` latitudes by the default longitude chunk, the largest tile's
+columns, so all longitudes on slabs: chunks that straddle tiles). Reported
+per rank (the maximum over ranks): bytes written per sample (counted by ``CountingStore``, metadata
+and coordinates included, zarr's default zstd compression on), as a fraction of the field's raw
+bytes and of all ranks' bytes together (the store's: ``1/D`` plus chunk rounding is the goal), the
+peak resident memory added, and wall time per sample (slowest rank, median over steps).
 """
 
 import argparse
@@ -55,7 +72,7 @@ import xarray as xr  # noqa: E402
 import zarr  # noqa: E402
 
 import mpidomain  # noqa: E402
-from mpidomain.data import CountingStore, TileDataset  # noqa: E402
+from mpidomain.data import CountingStore, TileDataset, select_tile, write_tile  # noqa: E402
 
 WORLD = MPI.COMM_WORLD
 VARIABLES = ("t", "u", "sp")
@@ -169,6 +186,89 @@ def measure(method, path, manager, halo, steps):
     return store.bytes_read / len(times), peak, statistics.median(times), samples
 
 
+def tiles_of(path, manager, steps):
+    """This rank's tile of every time step (t, u and sp, halo-free), loaded: what the writers write."""
+    data = xr.open_zarr(path, consolidated=False, chunks=None)
+    return [select_tile(data.isel(time=slice(step, step + 1)), manager).load() for step in range(steps)]
+
+
+def by_tiles(tiles, path, manager, chunks, everything):
+    """write_tile's samples: every rank writes its chunks, one call per step."""
+    store = CountingStore(zarr.storage.LocalStore(path))
+    for tile in tiles:
+        started = time.perf_counter()
+        write_tile(tile, store, manager, append_dim="time", chunks=chunks)
+        yield store, time.perf_counter() - started
+
+
+def gathered(tiles, path, manager, chunks, everything):
+    """The baseline's samples: every variable's whole field gathered, written by rank 0 with xarray."""
+    store = CountingStore(zarr.storage.LocalStore(path))
+    for step, tile in enumerate(tiles):
+        started = time.perf_counter()
+        whole = {n: mpidomain.gather_tensor(np.ascontiguousarray(tile[n].values), manager=manager) for n in VARIABLES}
+        if WORLD.rank == 0:
+            coords = {n: everything[n].values for n in ("level", "latitude", "longitude")}
+            sample = xr.Dataset({n: (tile[n].dims, whole[n]) for n in VARIABLES},
+                                coords=dict(coords, time=tile.time.values))
+            if step == 0:
+                encoding = {n: {"chunks": tuple(dict(sample.sizes, time=1, **chunks)[d] for d in sample[n].dims)}
+                            for n in VARIABLES}
+                sample.to_zarr(store, mode="w", encoding=encoding | {"time": {"chunks": (1,)}}, consolidated=False,
+                               zarr_format=3)
+            else:
+                sample.to_zarr(store, append_dim="time", consolidated=False)
+        del whole
+        yield store, time.perf_counter() - started
+
+
+def measure_writes(method, tiles, path, manager, chunks, everything):
+    """Run ``method``; return (bytes written per sample, peak KiB added, median seconds)."""
+    before = reset_peak()
+    times, store = [], None
+    for store, seconds in method(tiles, path, manager, chunks, everything):
+        times.append(seconds)
+    peak = resident_kib("VmHWM") - before
+    return store.bytes_written / len(times), peak, statistics.median(times)
+
+
+def write_section(args, manager, paths, root, shape, tiles_grid, field_bytes):
+    """Write the samples both ways and both chunkings; print a row each; return the ratio lines."""
+    tiles = tiles_of(paths["bands"], manager, args.steps)
+    everything = xr.open_zarr(paths["bands"], consolidated=False, chunks=None)
+    extents = [mpidomain.balanced_split(n, parts)[0][0] for n, parts in zip(shape, tiles_grid)]  # the largest tile
+    chunkings = {"tiles": {"latitude": extents[0], "longitude": extents[1]}, "bands": {"latitude": args.band}}
+    if WORLD.rank == 0:
+        print(f"{'ranks':>5} {'chunks':>6} {'method':>12} {'MiB written/rank':>16} {'of field':>8} {'of store':>8} "
+              f"{'peak MiB/rank':>13} {'s/sample':>9}")
+    for name, method in (("gather+write", gathered), ("write_tile", by_tiles)):  # warm up
+        measure_writes(method, tiles[:1], os.path.join(root, f"warm-{name}.zarr"), manager, chunkings["bands"],
+                       everything)
+    ratios = []
+    for chunking, chunks in chunkings.items():
+        results, stores = {}, {}
+        for name, method in (("gather+write", gathered), ("write_tile", by_tiles)):
+            stores[name] = os.path.join(root, f"written-{chunking}-{name}.zarr")
+            WORLD.Barrier()
+            written, peak, seconds = measure_writes(method, tiles, stores[name], manager, chunks, everything)
+            total = WORLD.allreduce(written)
+            written, peak, seconds = (WORLD.allreduce(v, op=MPI.MAX) for v in (written, peak, seconds))
+            results[name] = (written, peak, seconds)
+            if WORLD.rank == 0:
+                print(f"{WORLD.size:>5} {chunking:>6} {name:>12} {written / 2**20:>16.2f} "
+                      f"{written / field_bytes:>8.3f} {written / total:>8.3f} {peak / 1024:>13.1f} {seconds:>9.3f}")
+        same = True
+        if WORLD.rank == 0:
+            a, b = (xr.open_zarr(stores[n], consolidated=False, chunks=None).load() for n in stores)
+            same = a.identical(b)
+        if not WORLD.bcast(same):
+            raise SystemExit(f"bench_io: write_tile's store differs from the baseline's ({chunking} chunks)")
+        base, new = results["gather+write"], results["write_tile"]
+        ratios.append(f"{chunking} chunks: write_tile / gather+write: bytes written/rank {new[0] / base[0]:.3f}x, "
+                      f"peak memory {new[1] / max(base[1], 1):.3f}x, time {new[2] / base[2]:.3f}x")
+    return ratios
+
+
 def main():
     args = parse()
     return_freed_memory()
@@ -181,6 +281,7 @@ def main():
         os.makedirs(root, exist_ok=True)
         paths = write_stores(root, shape, args.levels, args.steps, args.band)
     paths = WORLD.bcast(paths if WORLD.rank == 0 else None)
+    root = WORLD.bcast(root)
     WORLD.Barrier()
     channels = 2 * args.levels + 1
     whole_bytes = channels * shape[0] * shape[1] * 4
@@ -209,9 +310,11 @@ def main():
         base, new = results["whole+shard"], results["select_tile"]
         ratios.append(f"{chunking} chunks: select_tile / whole+shard: bytes {new[0] / base[0]:.3f}x, "
                       f"peak memory {new[1] / max(base[1], 1):.3f}x, time {new[2] / base[2]:.3f}x")
+    ratios += write_section(args, manager, paths, root, shape, tiles or (WORLD.size, 1), whole_bytes)
     if WORLD.rank == 0:
         for line in ratios:
             print(line)
+        print("stores written equal the baseline's (datasets): yes")
         print("samples equal bit for bit (digests): yes")
         if args.dir is None:
             shutil.rmtree(root)

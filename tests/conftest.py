@@ -7,7 +7,9 @@ messages, so the next test never starts on some ranks while others wait in a
 collective. Ranks other than 0 stay quiet unless MPIDOMAIN_TEST_VERBOSE_RANKS=1.
 """
 
+import gc
 import os
+import sys
 
 import pytest
 from mpi4py import MPI
@@ -27,6 +29,24 @@ def pytest_configure(config):
             config.pluginmanager.unregister(reporter)
 
 
+# Kinds of test the developer loop (-m "not slow") leaves out with the ones marked slow (setup.cfg lists them).
+_SLOW_KINDS = ("mpi_job", "bench", "fuzz")
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m selects
+def pytest_collection_modifyitems(items):
+    # Static (from the markers alone), so every rank selects the same tests.
+    for item in items:
+        if any(item.get_closest_marker(kind) for kind in _SLOW_KINDS) and not item.get_closest_marker("slow"):
+            item.add_marker(pytest.mark.slow)
+
+
+def _torch_groups_made():
+    """How many torch.distributed groups this process has made (0 before torch.distributed is imported)."""
+    c10d = sys.modules.get("torch.distributed.distributed_c10d")
+    return 0 if c10d is None else c10d._world.group_count
+
+
 def _summary(error):
     if error is None:
         return None
@@ -39,10 +59,15 @@ def _summary(error):
 def pytest_runtest_call(item):
     __tracebackhide__ = True
     error = None
+    groups = _torch_groups_made()
     try:
         result = yield
     except BaseException as exc:  # the verdict must be shared before re-raising
         error = exc
+    if _torch_groups_made() != groups:
+        # The test's models (FSDP, DTensor) hold its torch groups in reference cycles; until collected, each
+        # gloo group's threads keep waking, which at more ranks than cores slows every later test.
+        gc.collect()
     if WORLD.Get_size() > 1:
         wait_politely(WORLD.Ibarrier())
         verdicts = WORLD.allgather(_summary(error))

@@ -11,32 +11,15 @@ are CREDIT's classes, unchanged.
 """
 
 import importlib
-import sys
-import types
+
+from mpidomain.models import credit_crossformer_module
 
 __all__ = ["crossformer", "unet", "unet_attention_modules", "unet_diffusion", "why_missing"]
 
 
-def _post_block_placeholder(error):
-    module = types.ModuleType("credit.postblock.gen1")
-
-    class PostBlock:
-        def __init__(self, *args, **kwargs):
-            raise ImportError(f"CREDIT's PostBlock needs torchvision, which failed to import here: {error}")
-
-    module.PostBlock = PostBlock
-    return module
-
-
 def crossformer():
     """Return ``credit.models.wxformer.crossformer``; ImportError if CREDIT or einops is missing."""
-    importlib.import_module("credit")
-    if "credit.postblock.gen1" not in sys.modules:
-        try:
-            importlib.import_module("credit.postblock.gen1")
-        except (ImportError, RuntimeError) as error:  # RuntimeError: a CUDA torchvision beside CPU torch
-            sys.modules["credit.postblock.gen1"] = _post_block_placeholder(error)
-    return importlib.import_module("credit.models.wxformer.crossformer")
+    return credit_crossformer_module()
 
 
 def unet_attention_modules():

@@ -1,5 +1,6 @@
 """Helpers for tests: divisors of the world size and nested MPI jobs in subprocesses."""
 
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -19,6 +20,21 @@ _USER_SETTINGS = ("OMPI_ALLOW_RUN_AS_ROOT", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Every job the suite starts runs on this machine: torch.distributed rendezvous on loopback only.
 LOOPBACK = {"MASTER_ADDR": "127.0.0.1"}
+
+
+# How to install CREDIT, the skip reason of every test that needs it (--no-deps: its own requirements pull
+# torchvision, whose PyPI wheels are CUDA builds that cannot load beside a CPU torch).
+CREDIT_INSTALL = "pip install --no-deps miles-credit==2026.2.0"
+
+
+def import_credit(name="credit"):
+    """Return CREDIT's module ``name``; where CREDIT is not installed, skip the test naming :data:`CREDIT_INSTALL`.
+
+    Where CREDIT is installed but ``name`` fails to import, skips with the import error.
+    """
+    if importlib.util.find_spec("credit") is None:
+        pytest.skip(f"CREDIT (miles-credit) is not installed: {CREDIT_INSTALL}")
+    return pytest.importorskip(name)
 
 
 def divisors(n):

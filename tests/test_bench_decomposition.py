@@ -43,6 +43,8 @@ def test_expected_window_is_the_padded_global_field(earth):
         assert np.array_equal(window, padded[..., lat0:lat0 + n + 2 * h, lon0:lon0 + m + 2 * w])
 
 
+@pytest.mark.bench
+@pytest.mark.mpi_job
 def test_bench_decomposition_tiles_send_fewer_bytes(world):
     if world.size > 1:
         pytest.skip("starts its own 4-rank job: only when the suite runs serially")

@@ -8,6 +8,8 @@ import pytest
 
 from mpitest import REPO, launcher_env, run_mpi
 
+pytestmark = [pytest.mark.bench, pytest.mark.mpi_job]
+
 
 def _script(name):
     return os.path.join(REPO, "scripts", name)

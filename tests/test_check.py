@@ -89,6 +89,7 @@ def test_check_on_gpus(world, capsys, fresh_manager):
         assert len(re.findall(r"^  rank \d+ \(.*\): cuda:\d", out, re.M)) == world.size
 
 
+@pytest.mark.mpi_job
 def test_check_in_a_fresh_four_rank_job(world):
     if world.rank == 0:
         result = run_mpi(4, ["-m", "mpidomain", "check", "-D", "2", "--repeats", "3"], timeout=240)

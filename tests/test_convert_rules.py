@@ -11,7 +11,7 @@ from mpidomain import DomainParallelManager  # noqa: E402
 from mpidomain.nn import (ConversionReport, DomainParallelAdaptiveAvgPool2d, DomainParallelBatchNorm,  # noqa: E402
                           DomainParallelConv2d, DomainParallelCoordinateAttention, DomainParallelMaxPool2d,
                           allreduce_gradients, convert_to_domain_parallel)
-from mpitest import divisors  # noqa: E402
+from mpitest import divisors, import_credit  # noqa: E402
 from test_layers import compare, counts_for  # noqa: E402
 from test_tiles_nn import compare as compare_tiles  # noqa: E402
 from test_tiles_nn import layouts  # noqa: E402
@@ -234,7 +234,7 @@ EXPECTED = {
 
 
 def credit_block(name):
-    attention = pytest.importorskip("credit.models.unet_attention_modules")
+    attention = import_credit("credit.models.unet_attention_modules")
     torch.manual_seed(8)
     block = BLOCKS[name](attention)
     if name == "coordinate":  # conv1's bias goes into a BatchNorm: its gradient is round-off, left out
@@ -242,6 +242,7 @@ def credit_block(name):
     return nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), block, nn.Conv2d(16, 2, 3, padding=1)).double()
 
 
+@pytest.mark.credit
 @pytest.mark.parametrize("name", sorted(BLOCKS))
 def test_credit_attention_blocks_equal_one_process(world, name):
     """CREDIT's UNet attention blocks (global means inside) on slabs of every D and on every tiling."""

@@ -9,12 +9,14 @@ import copy
 
 import pytest
 
+pytestmark = pytest.mark.credit
 torch = pytest.importorskip("torch")
 
 import credit_models  # noqa: E402
 from mpidomain import DomainParallelManager, gather_tensor, shard_tensor  # noqa: E402
 from mpidomain.nn import (DomainParallelPeriodicConv2d, DomainParallelTensorPadding, allreduce_gradients,  # noqa: E402
                           convert_to_domain_parallel)
+from mpitest import CREDIT_INSTALL  # noqa: E402
 
 TOLERANCE = 1e-9
 
@@ -22,7 +24,7 @@ TOLERANCE = 1e-9
 def _agreed_skip(world, loader):
     reasons = world.allgather(credit_models.why_missing(loader))
     if any(reasons):
-        pytest.skip(f"CREDIT not importable here: {next(r for r in reasons if r)}")
+        pytest.skip(f"CREDIT not importable here ({next(r for r in reasons if r)}): {CREDIT_INSTALL}")
     return loader()
 
 

@@ -26,6 +26,7 @@ def _demo(world, n, args):
     return share(world, result)
 
 
+@pytest.mark.mpi_job
 def test_demo_on_four_ranks(world):
     status, out, err = _demo(world, 4, ["--steps", "2", "--size", "32x64"])
     assert status == 0, out + err
@@ -34,6 +35,7 @@ def test_demo_on_four_ranks(world):
     assert "within 1e-05" in out and "is identical" in out, out
 
 
+@pytest.mark.mpi_job
 def test_demo_on_tiles(world):
     """demo -D 2x2 trains on latitude x longitude tiles to the one-process model's numbers."""
     status, out, err = _demo(world, 4, ["-D", "2x2", "--steps", "2", "--size", "32x64"])
@@ -48,6 +50,7 @@ def test_demo_on_tiles(world):
     (["-D", "3"], "domain_parallel_size=3 does not divide world_size=4"),
     (["--steps", "0"], "--steps must be >= 1, got 0"),
 ])
+@pytest.mark.mpi_job
 def test_demo_layouts_it_cannot_run(world, args, message):
     status, out, err = _demo(world, 4, args)
     assert status == 2 and err.count(message) == 1, out + err

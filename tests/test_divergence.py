@@ -525,12 +525,14 @@ def check_sequence(seed, managers, kinds, world, steps=96):
 
 
 @pytest.mark.parametrize("seed", [101, 102])
+@pytest.mark.fuzz
 def test_random_legal_sequences_numpy(world, managers, seed):
     """Halo exchanges, plans, gathers and all-reduces of NumPy arrays match the global reference bit for bit."""
     check_sequence(seed, managers, ("numpy",), world)
 
 
 @pytest.mark.parametrize("seed", [201, 202])
+@pytest.mark.fuzz
 def test_random_legal_sequences_numpy_and_torch(world, managers, seed):
     """The same with Torch tensors interleaved: bfloat16 and float16 too, HaloExchange, and exact gradients."""
     pytest.importorskip("torch")
@@ -860,6 +862,8 @@ def judge(n, seed, trials, stdout):
 
 
 @pytest.mark.parametrize("n, seed", [(2, 1), (3, 2)])
+@pytest.mark.fuzz
+@pytest.mark.mpi_job
 def test_random_deviations_raise_on_every_rank(world, n, seed):
     """Each trial: one random rank deviates at one random step; every rank raises there, then goes on."""
     seed += 1000 * int(os.environ.get("MPIDOMAIN_TEST_DIVERGENCE_SEED", 0))
@@ -882,6 +886,7 @@ def test_random_deviations_raise_on_every_rank(world, n, seed):
     ("collective", "ValueError: halo exchange inputs disagree across the domain group"),
     ("local", "ValueError: padded must be a numpy array of shape (5, 4)"),
 ])
+@pytest.mark.mpi_job
 def test_uncaught_deviation_ends_the_job(world, mode, message):
     """With the default abort-on-error hook, one rank's uncaught mistake ends the whole job within seconds."""
     status, stdout, stderr, seconds = run_job(world, 2, ["--uncaught", mode], timeout=60,

@@ -61,6 +61,7 @@ needs_ppn = pytest.mark.skipif(open_mpi(), reason="derecho.pbs passes PALS mpiex
 
 
 @needs_ppn
+@pytest.mark.mpi_job
 def test_derecho_pbs_under_simulated_pbs(world, tmp_path):
     if world.rank == 0:
         env = pbs_env(tmp_path, [socket.gethostname()] * 4)  # one node, mpiprocs=4
@@ -74,6 +75,7 @@ def test_derecho_pbs_under_simulated_pbs(world, tmp_path):
 
 
 @needs_ppn
+@pytest.mark.mpi_job
 def test_derecho_pbs_command_from_qsub_v(world, tmp_path):
     # qsub -v MPIDOMAIN_COMMAND="..." is how a PBS user replaces the default command.
     if world.rank == 0:
@@ -87,6 +89,7 @@ def test_derecho_pbs_command_from_qsub_v(world, tmp_path):
         assert "domain groups     : [0,1]" in result.stdout
 
 
+@pytest.mark.mpi_job
 def test_mpirun_local(world):
     if world.rank == 0:
         result = subprocess.run(["bash", os.path.join(SCRIPTS, "mpirun_local.sh"), "-n", "2", "python", "-c", PAYLOAD],
@@ -97,6 +100,7 @@ def test_mpirun_local(world):
 
 
 @needs_openmpi
+@pytest.mark.mpi_job
 def test_mpirun_local_with_open_mpi(world):
     # The mpiexec next to Open MPI's python, with --oversubscribe: four ranks on any machine.
     if world.rank == 0:
@@ -120,6 +124,7 @@ def sbatch(tmp_path, *args):
 
 @needs_slurm
 @needs_pmi2
+@pytest.mark.mpi_job
 def test_slurm_generic_sbatch(world, tmp_path):
     if world.rank == 0:
         code, out = sbatch(tmp_path, "--ntasks-per-node=2", os.path.join(SCRIPTS, "slurm_generic.sbatch"),
@@ -130,6 +135,7 @@ def test_slurm_generic_sbatch(world, tmp_path):
 
 
 @needs_slurm
+@pytest.mark.mpi_job
 def test_perlmutter_sbatch_directives_and_srun_flags(world, tmp_path):
     # Not Perlmutter: the GPU constraint, QOS and GPUs are overridden, and the payload does not
     # start MPI (Cray MPICH's cray_shasta PMI is not here). What runs is the script's own

@@ -71,6 +71,7 @@ def test_srun_without_a_pmi_plugin_is_diagnosed():
 
 @needs_slurm
 @needs_pmi2
+@pytest.mark.mpi_job
 def test_srun_pmi2_gives_the_layout(world):
     if world.rank == 0:
         result = run(["srun", "-n", "4", "--mpi=pmi2", sys.executable, "-m", "mpidomain", "info", "-D", "2"])
@@ -84,6 +85,7 @@ def test_srun_pmi2_gives_the_layout(world):
 
 @needs_slurm
 @needs_pmi2
+@pytest.mark.mpi_job
 def test_srun_without_pmi_is_caught_on_every_rank(world):
     if world.rank == 0:
         result = run(["srun", "-n", "2", "--mpi=none", sys.executable, "-c", INIT])
@@ -97,6 +99,7 @@ def test_srun_without_pmi_is_caught_on_every_rank(world):
 
 
 @needs_openmpi
+@pytest.mark.mpi_job
 def test_open_mpi_mpirun_gives_the_layout(world):
     if world.rank == 0:
         command = [mpirun(), "--oversubscribe", "-n", "4", OPENMPI_PYTHON, "-m", "mpidomain", "info", "-D", "2"]
@@ -110,6 +113,7 @@ def test_open_mpi_mpirun_gives_the_layout(world):
 
 
 @needs_openmpi
+@pytest.mark.mpi_job
 def test_hydra_starting_open_mpi_python_is_caught(world):
     # MPICH's mpiexec starts processes whose mpi4py loads Open MPI: each is a world of one.
     hydra = os.path.join(os.path.dirname(sys.executable), "mpiexec")
@@ -125,6 +129,7 @@ def test_hydra_starting_open_mpi_python_is_caught(world):
 
 @needs_slurm
 @needs_openmpi
+@pytest.mark.mpi_job
 def test_srun_pmi2_starting_open_mpi_python_is_caught(world):
     # Open MPI 5 speaks PMIx only: under srun's pmi2 plugin each task is a world of one.
     if world.rank == 0:
@@ -135,6 +140,7 @@ def test_srun_pmi2_starting_open_mpi_python_is_caught(world):
 
 
 @needs_openmpi
+@pytest.mark.mpi_job
 def test_open_mpi_mpirun_starting_mpich_python_fails_at_start(world):
     # The reverse mismatch never reaches mpidomain: MPICH finds Open MPI's PMIx server and
     # aborts inside MPI_Init. The README quotes this message; keep it true.

@@ -63,6 +63,7 @@ def test_matching_sizes_pass():
     check_launcher_world(4, detect_launcher(ENVIRONMENTS["Slurm srun"]))
 
 
+@pytest.mark.mpi_job
 def test_mismatch_in_a_real_process(world):
     if world.rank == 0:
         code = "import mpidomain; mpidomain.initialize_domain_parallel(1, 1)"

@@ -70,6 +70,27 @@ def test_singleton_lifecycle(world, fresh_manager):
     assert get_domain_parallel_manager() is None
 
 
+def test_module_manager_reads_the_current_one(world, fresh_manager):
+    # The seed's module data: CREDIT's code reads credit.domain_parallel.manager._MANAGER.
+    import mpidomain.manager as manager_module
+
+    def same():
+        return manager_module._MANAGER is get_domain_parallel_manager()
+
+    assert same()
+    first = initialize_domain_parallel(world.size, 1, abort_on_error=False)
+    assert same() and manager_module._MANAGER is first
+    second = initialize_domain_parallel(world.size, world.size, abort_on_error=False)
+    assert same() and manager_module._MANAGER is second
+    from mpidomain.manager import _MANAGER
+
+    assert _MANAGER is second
+    second.close()
+    assert same() and manager_module._MANAGER is None
+    with pytest.raises(AttributeError, match="has no attribute '_MANAGERS'"):
+        manager_module._MANAGERS
+
+
 def test_context_manager_frees(world):
     with DomainParallelManager(world.size, 1) as m:
         pass

@@ -5,9 +5,11 @@ the 8-rank proofs (every layout of 8 against ``init_device_mesh``, and dp x tp x
 domain = 2 x 2 x 2 training) run in fresh jobs from the serial suite.
 """
 
+import gc
 import importlib.util
 import itertools
 import os
+import weakref
 
 import pytest
 from mpi4py import MPI
@@ -245,6 +247,15 @@ def test_training_on_the_mesh_equals_one_process(world, torch_world, layout_inde
     assert all(abs(a - b) <= 1e-10 * abs(b) for a, b in zip(losses, reference)), (losses, reference)
 
 
+def test_a_closed_manager_lets_its_mesh_go(world, torch_world):
+    """close() clears DTensor's caches keyed by mesh, so the mesh and its groups (gloo threads each) can be freed."""
+    with DomainParallelManager(world.size, 1, torch_bridge=True) as m:
+        mesh = weakref.ref(m.device_mesh)
+        _train_mesh().train(m, steps=1, batch=4 * m.data_parallel_size)
+    gc.collect()
+    assert mesh() is None
+
+
 def test_training_without_the_domain_sum_differs(world, torch_world, monkeypatch):
     """The comparison can fail: skipping the domain ranks' gradient sum must show."""
     if world.size % 2:
@@ -315,6 +326,7 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.mpi_job
 def test_eight_ranks_every_layout_and_all_three_axes(world):
     if world.size != 1:
         pytest.skip("the 8-rank jobs run from the serial suite (python -m pytest, mpiexec -n 1)")

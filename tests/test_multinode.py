@@ -200,6 +200,7 @@ def _srun(ranks, nodes, *options):
 
 
 @needs_cluster
+@pytest.mark.mpi_job
 def test_killing_one_nodes_processes_ends_the_srun_job():
     job = _start(_srun(4, 2, "-K"), SRUN_ENV)
     ranks = _ready(job, 4)
@@ -214,6 +215,7 @@ def test_killing_one_nodes_processes_ends_the_srun_job():
 
 
 @needs_cluster
+@pytest.mark.mpi_job
 def test_a_node_that_loses_its_link_ends_the_job_within_the_timeout():
     """No -K and no error to see: the survivors' halo waits give up after MPIDOMAIN_TIMEOUT and abort the job."""
     job = _start(_srun(4, 2), {**SRUN_ENV, "MPIDOMAIN_TIMEOUT": "5"})
@@ -237,6 +239,7 @@ def test_a_node_that_loses_its_link_ends_the_job_within_the_timeout():
 
 
 @needs_cluster
+@pytest.mark.mpi_job
 def test_killing_one_nodes_processes_ends_the_mpiexec_job():
     launcher = os.path.join(os.path.dirname(sys.executable), "mpiexec")
     command = [CLUSTER_EXEC, "mpd-n0", launcher, "-launcher", "ssh", "-launcher-exec", CLUSTER_EXEC,

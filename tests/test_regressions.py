@@ -243,6 +243,7 @@ def _run_cli(world, args):
     (["check", "--shape", "1,2,3"], "expected four positive extents B,C,H,W"),
     (["info", "--no-such-option"], "unrecognized arguments: --no-such-option"),
 ])
+@pytest.mark.mpi_job
 def test_command_line_errors_print_once(world, args, message):
     status, stderr = _run_cli(world, args)
     assert status == 2, stderr

@@ -8,6 +8,7 @@ import pytest
 from mpitest import open_mpi, run_mpi, run_python
 
 
+@pytest.mark.mpi_job
 def test_import_starts_nothing(world):
     if world.rank == 0:
         code = ("import sys, mpidomain; assert 'mpi4py.MPI' not in sys.modules; assert 'torch' not in sys.modules; "
@@ -16,6 +17,7 @@ def test_import_starts_nothing(world):
         assert result.returncode == 0, result.stderr
 
 
+@pytest.mark.mpi_job
 def test_seed_layout_with_eight_ranks(world):
     if world.rank == 0:
         result = run_mpi(8, ["-m", "mpidomain", "info", "--domain-parallel-size", "2"], timeout=180)
@@ -37,6 +39,7 @@ def test_seed_layout_with_eight_ranks(world):
             assert nxt == ("-" if rank % 2 == 1 else str(rank + 1))
 
 
+@pytest.mark.mpi_job
 def test_info_reports_errors_once(world):
     if world.rank == 0:
         result = run_mpi(4, ["-m", "mpidomain", "info", "-D", "3"], timeout=120)
@@ -66,6 +69,7 @@ MPI.COMM_WORLD.Barrier()  # the other ranks would wait here forever
 """
 
 
+@pytest.mark.mpi_job
 def test_uncaught_exception_aborts_every_rank(world):
     if world.rank == 0:
         result = run_mpi(3, ["-c", ABORT_SCRIPT], timeout=60)
@@ -74,6 +78,7 @@ def test_uncaught_exception_aborts_every_rank(world):
         assert "aborting all ranks" in result.stderr
 
 
+@pytest.mark.mpi_job
 def test_abort_hook_opt_out(world):
     if world.rank == 0:
         code = ("import sys, mpidomain; mpidomain.initialize_domain_parallel(1, 1); "
@@ -107,6 +112,7 @@ comm.Barrier()  # rank 0 would wait here forever
     ("exit", None),
     ("after", "[rank 1] ValueError: rank one fails after initialisation"),
 ])
+@pytest.mark.mpi_job
 def test_python_m_mpi4py_ends_exits_the_library_cannot_see(world, tmp_path_factory, mode, message):
     # The README's errors section: under `python -m mpi4py`, an exception before the manager exists and
     # sys.exit(3) on one rank end the job too; after initialisation our hook still prints once and aborts.
@@ -150,6 +156,7 @@ if comm.rank != 1:  # rank 1 skips the last exchange and ends: nothing follows f
 
 
 @pytest.mark.parametrize("mode", ["uncaught", "caught"])
+@pytest.mark.mpi_job
 def test_a_skipped_last_call_times_out_instead_of_hanging(world, tmp_path_factory, mode):
     # Nothing after the skipped call can meet the waiting ranks' agreement: MPIDOMAIN_TIMEOUT bounds the wait.
     if world.rank == 0:

@@ -271,6 +271,7 @@ print(f"rank {{MPI.COMM_WORLD.rank}}: 3x2 problems {{problems}}", flush=True)
 """
 
 
+@pytest.mark.mpi_job
 def test_three_by_two_tiles_on_six_ranks(world):
     """3 x 2 tiles in a fresh 6-rank job: forward exact and the adjoint's dot-product test, every boundary and case."""
     if world.size != 1:

@@ -101,6 +101,7 @@ def _run(script, site):
     return result, time.monotonic() - started
 
 
+@pytest.mark.mpi_job
 def test_every_wait_site_times_out_and_ends_the_job(world, tmp_path_factory):
     # And two managers used in different orders raise at once, on every rank, naming both.
     if world.size != 1:

@@ -278,6 +278,7 @@ def _reports(result, n):
     return reports
 
 
+@pytest.mark.mpi_job
 def test_environment_chosen_and_broadcast(world):
     # MASTER_ADDR stays loopback here (the address choice is unit-tested above): the port and
     # every other variable are chosen on rank 0 and broadcast.
@@ -295,6 +296,7 @@ def test_environment_chosen_and_broadcast(world):
             assert report["store_port"] == int(first["MASTER_PORT"])
 
 
+@pytest.mark.mpi_job
 def test_preset_environment_is_used_and_kept(world):
     if world.rank == 0:
         port = torch_bridge.master_port({})
@@ -307,6 +309,7 @@ def test_preset_environment_is_used_and_kept(world):
             assert report["env"]["RANK"] == str(rank)
 
 
+@pytest.mark.mpi_job
 def test_plain_python_starts_a_world_of_one(world):
     if world.rank == 0:
         reports = _reports(run_python(["-c", ENV_SCRIPT], timeout=120), 1)
@@ -343,6 +346,7 @@ attempt("rank 0 only", mpidomain.init_torch_distributed)
 """
 
 
+@pytest.mark.mpi_job
 def test_disagreeing_torch_distributed_raises_on_every_rank(world):
     if world.rank == 0:
         result = run_mpi(3, ["-c", MISMATCH_SCRIPT], timeout=120)
@@ -387,6 +391,7 @@ print(f"rank {MPI.COMM_WORLD.rank} ok", flush=True)
 """
 
 
+@pytest.mark.mpi_job
 def test_default_group_destroyed_only_by_its_creator(world):
     if world.rank == 0:
         result = run_mpi(2, ["-c", LIFECYCLE_SCRIPT], timeout=180)
@@ -394,6 +399,7 @@ def test_default_group_destroyed_only_by_its_creator(world):
         assert "rank 0 ok" in result.stdout and "rank 1 ok" in result.stdout, result.stdout
 
 
+@pytest.mark.mpi_job
 def test_ddp_example_matches_single_process(world):
     pytest.importorskip("mpidomain.nn")
     if world.rank == 0:
@@ -425,12 +431,15 @@ print("nccl ok", flush=True)
 
 
 @pytest.mark.skipif(not (torch.cuda.is_available() and dist.is_nccl_available()), reason="needs CUDA and NCCL")
+@pytest.mark.mpi_job
 def test_nccl_with_bound_device_where_cuda_exists(world):
     if world.rank == 0:
         result = run_python(["-c", NCCL_SCRIPT], timeout=180)
         assert result.returncode == 0 and "nccl ok" in result.stdout, result.stderr
 
 
+@pytest.mark.bench
+@pytest.mark.mpi_job
 def test_group_creation_benchmark_prints_ratios(world):
     if world.rank == 0:
         script = os.path.join(REPO, "scripts", "bench_torch_groups.py")

@@ -9,7 +9,6 @@ raises the same error on every rank. Worlds of 3 and 5 ranks run in one fresh
 job each, from a one-rank suite only.
 """
 
-import sys
 
 import numpy as np
 import pytest
@@ -135,6 +134,7 @@ ATTENTION_CASES = [("short", 4, (2, 16, 20, 12)), ("long", 4, (2, 16, 20, 12)), 
                    ("short", 4, (1, 16, 8, 8))]
 
 
+@pytest.mark.credit
 @pytest.mark.parametrize("kind, window, shape", ATTENTION_CASES)
 def test_credit_window_attention_equals_one_process(world, kind, window, shape):
     """The wrapped CREDIT Attention on shards (windows straddling the edges, ranks with none): output and gradients."""
@@ -214,6 +214,7 @@ def test_a_layout_that_cannot_work_raises_alike_on_every_rank(world):
 
 
 @pytest.mark.parametrize("size", [3, 5])
+@pytest.mark.mpi_job
 def test_worlds_of_three_and_five_ranks(world, size):
     """The re-distribution and error tests above in a fresh job of ``size`` ranks (from a one-rank suite only)."""
     if world.size != 1:

@@ -1,4 +1,5 @@
-"""Read each rank's tile (and its halos) straight from Zarr and netCDF with xarray; a torch Dataset of tiles.
+"""Read each rank's tile (and its halos) straight from Zarr and netCDF with xarray, write tiles back to Zarr; a torch
+Dataset of tiles.
 
 Needs the ``data`` extra (xarray, zarr, netCDF4); the rest of mpidomain does not.
 """
@@ -6,8 +7,9 @@ Needs the ``data`` extra (xarray, zarr, netCDF4); the rest of mpidomain does not
 from .counting import CountingStore
 from .select import select_tile
 from .window import TileWindow, tile_window
+from .write import write_tile
 
-__all__ = ["select_tile", "TileDataset", "TileWindow", "tile_window", "CountingStore"]
+__all__ = ["select_tile", "write_tile", "TileDataset", "TileWindow", "tile_window", "CountingStore"]
 
 
 def __getattr__(name):

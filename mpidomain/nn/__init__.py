@@ -9,10 +9,12 @@ from .conv import (DomainParallelConv2d, DomainParallelConv3d, DomainParallelCon
 from .blocks import DomainParallelCoordinateAttention
 from .convert import ConversionReport, convert_to_domain_parallel
 from .earth_padding import DomainParallelTensorPadding
+from .estimate import MemoryEstimate, estimate_memory
 from .gradients import allreduce_gradients
 from .halo import HaloExchange
 from .interpolate import DomainParallelInterpolate
 from .memory import SavedActivations
+from .metrics import LatitudeWeightedMSE, latitude_weighted_acc, latitude_weighted_rmse, latitude_weights
 from .norm import DomainParallelBatchNorm, DomainParallelGroupNorm
 from .pool import (DomainParallelAdaptiveAvgPool2d, DomainParallelAdaptiveMaxPool2d, DomainParallelAvgPool2d,
                    DomainParallelMaxPool2d)
@@ -45,4 +47,10 @@ __all__ = [
     "ConversionReport",
     "convert_to_domain_parallel",
     "SavedActivations",
+    "MemoryEstimate",
+    "estimate_memory",
+    "latitude_weights",
+    "LatitudeWeightedMSE",
+    "latitude_weighted_rmse",
+    "latitude_weighted_acc",
 ]

@@ -1,0 +1,579 @@
+"""Write each rank's tile into one Zarr store, all ranks of a domain group together: ``write_tile``.
+
+The way back of :func:`~mpidomain.data.select_tile`: every rank holds its tile
+(no halos) with its own latitude and longitude coordinates, and together they
+write the whole field, each rank only the bytes of the chunks it writes. The
+steps, each over the library's own domain communicator:
+
+1. every rank checks its tile and arguments, encodes its variables as
+   xarray's Zarr writer does, and reads the store's metadata (if any);
+2. one agreement step compares what must be alike on every rank (arguments,
+   variables, dims, dtypes, attributes, the values of variables without
+   latitude or longitude, the store's metadata), then one allgather brings
+   every rank's latitude and longitude vectors: every rank checks the same
+   layout (:mod:`~mpidomain.data.write_layout`) and raises the same error,
+   before any byte is written;
+3. domain rank 0 creates the store's arrays (metadata only, with zarr's own
+   API: no full-size array anywhere) and the latitude and longitude
+   coordinates, or grows the arrays along ``append_dim``;
+4. each chunk has one writer, the rank holding its first row and column:
+   the others send it their rows of that chunk, and it writes whole chunks.
+
+So no write is lost or raced whatever the chunks, and a store written by D
+ranks holds the same bytes, chunk file for chunk file, as one written by one.
+"""
+
+import hashlib
+import os
+import warnings
+from dataclasses import dataclass
+from typing import Any, Optional, Tuple
+
+import numpy as np
+import pandas as pd
+import xarray as xr
+import zarr
+from xarray.backends.zarr import FillValueCoder, encode_zarr_attr_value, encode_zarr_variable
+
+from .._mpi import agree, mpi, raise_on_all_ranks, wait_all
+from .._validate import is_int, require_manager
+from ..manager import library_comm
+from .write_layout import AxisSplit, absent_axis, block_moves, place_tiles, tile_coordinates
+
+__all__ = ["write_tile"]
+
+_TAG = 23731  # write_tile's messages on the library's domain communicator
+_PIECE = 1 << 30  # at most this many bytes per message (MPI counts are C ints)
+_ALLOWED = "biufc"  # dtypes a tile's variables may hold (datetimes too where neither latitude nor longitude)
+
+
+@dataclass(frozen=True)
+class _Array:
+    """One array of the store as this call writes it; alike on every rank.
+
+    ``shape`` is the whole array's after this call, ``start`` where this
+    call's values begin along ``append_dim`` (0 if the array lacks it).
+    """
+
+    name: str
+    dims: Tuple[str, ...]
+    dtype: str
+    shape: Tuple[int, ...]
+    chunks: Tuple[int, ...]
+    attrs: Any
+    fill_value: Any
+    start: int
+    write: bool
+
+
+@dataclass(frozen=True)
+class _Settings:
+    """The arguments of one call, checked: they travel together through every step."""
+
+    lat: str
+    lon: str
+    append_dim: Optional[str]
+    chunks: Tuple[Tuple[str, int], ...]
+    store: Any
+    store_name: str
+
+
+def _fingerprint(values):
+    """A digest of an array's dtype, shape and bytes."""
+    values = np.ascontiguousarray(values)
+    hashed = hashlib.blake2b(f"{values.dtype.str}{values.shape}".encode(), digest_size=12)
+    hashed.update(values.reshape(-1).view(np.uint8).data)
+    return hashed.hexdigest()
+
+
+def _store_of(path):
+    """The store argument as zarr opens it, and a name that is alike on every rank writing the same store."""
+    if isinstance(path, (str, os.PathLike)):
+        path = os.fspath(path)
+        return path, os.path.abspath(path)
+    if isinstance(path, zarr.abc.store.Store):
+        inner = path
+        while isinstance(inner, zarr.storage.WrapperStore):
+            inner = inner._store
+        root = getattr(inner, "root", None)
+        return path, os.path.abspath(root) if root is not None else str(path)
+    raise TypeError(f"write_tile: path must be a Zarr store's path (str or os.PathLike) or a zarr Store, got "
+                    f"{type(path).__name__}; e.g. write_tile(tile, 'out.zarr', manager)")
+
+
+def _settings(tile, path, lat, lon, append_dim, chunks):
+    """Check the arguments this rank passed; return :class:`_Settings`."""
+    if not isinstance(tile, xr.Dataset):
+        raise TypeError(f"write_tile: tile must be an xarray.Dataset holding this rank's tile, got "
+                        f"{type(tile).__name__}; for a DataArray pass da.to_dataset(name='...')")
+    for what, name in (("lat", lat), ("lon", lon)):
+        if name not in tile.dims or name not in tile.coords or tile[name].dims != (name,):
+            raise ValueError(f"write_tile: {what}={name!r} must be a dim of the tile with a 1-d coordinate (its "
+                             f"values place the tile in the field), but the tile's dims are {list(tile.dims)} and "
+                             f"its coordinates {list(tile.coords)}; pass {what}= the name of that dim, or assign its "
+                             f"coordinate, e.g. tile.assign_coords({name}=values)")
+    if append_dim is not None and (append_dim not in tile.dims or append_dim in (lat, lon)):
+        raise ValueError(f"write_tile: append_dim={append_dim!r} must be a dim of the tile other than {lat!r} and "
+                         f"{lon!r}, but the tile's dims are {list(tile.dims)}; pass append_dim= e.g. 'time', or None "
+                         "to overwrite the store")
+    if chunks is not None and not isinstance(chunks, dict):
+        raise TypeError(f"write_tile: chunks must be a dict {{dim: size}} or None, got {type(chunks).__name__}; "
+                        "e.g. chunks={'latitude': 5}")
+    for dim, size in (chunks or {}).items():
+        if dim not in tile.dims:
+            raise ValueError(f"write_tile: chunks names the dim {dim!r}, but the tile's dims are {list(tile.dims)}; "
+                             "give chunk sizes of the tile's dims only")
+        if not is_int(size):
+            raise TypeError(f"write_tile: chunks[{dim!r}] must be an int, got {size!r} ({type(size).__name__})")
+        if size < 1:
+            raise ValueError(f"write_tile: chunks[{dim!r}] must be >= 1, got {size}; give each chunked dim a "
+                             "chunk of at least one row")
+    store, name = _store_of(path)
+    return _Settings(lat, lon, append_dim, tuple(sorted((str(d), int(n)) for d, n in (chunks or {}).items())),
+                     store, name)
+
+
+def _read_state(store, append_dim):
+    """The store's arrays: ``{name: dict(dims, shape, chunks, dtype, attrs, values of 1-d index coordinates but
+    append_dim's)}``, or None for a new store (no store there, or a group without arrays)."""
+    try:
+        group = zarr.open_group(store, mode="r")
+    except (FileNotFoundError, zarr.errors.GroupNotFoundError):
+        return None
+    if group.metadata.zarr_format != 3:
+        raise ValueError(f"write_tile: path holds a Zarr v{group.metadata.zarr_format} store; write_tile adds to "
+                         "Zarr v3 stores only: write to a new path (it makes a v3 store)")
+    state = {}
+    for name, array in group.arrays():
+        dims = array.metadata.dimension_names
+        if dims is None:
+            raise ValueError(f"write_tile: the store's array {name!r} has no dimension names (written neither by "
+                             "xarray nor by write_tile); write to a new path")
+        dims = tuple(dims)
+        state[name] = {"dims": dims, "shape": tuple(array.shape), "chunks": tuple(array.chunks),
+                       "dtype": str(array.dtype), "attrs": dict(array.attrs),
+                       "values": array[...] if dims == (name,) and name != append_dim else None}
+    return state or None
+
+
+def _time_encoding(variable, name, state):
+    """The CF encoding to keep for a datetime or timedelta ``variable``: the store's where it has the array."""
+    if state is not None and name in state:
+        attrs = state[name]["attrs"]
+        return {k: v for k, v in (("units", attrs.get("units")), ("calendar", attrs.get("calendar")),
+                                  ("dtype", np.dtype(state[name]["dtype"]))) if v is not None}
+    return {k: variable.encoding[k] for k in ("units", "calendar", "dtype") if k in variable.encoding}
+
+
+def _encode(variable, name, settings, state):
+    """Return ``(values, attrs, fill_value)``: ``variable`` as xarray's Zarr writer stores it."""
+    distributed = settings.lat in variable.dims or settings.lon in variable.dims
+    if variable.dtype.kind not in (_ALLOWED if distributed else _ALLOWED + "mM"):
+        allowed = ("numbers (bool, int, float, complex) where a variable has latitude or longitude" if distributed
+                   else "numbers, datetimes and timedeltas")
+        raise TypeError(f"write_tile: tile[{name!r}] has dtype {variable.dtype}, but write_tile writes {allowed}; "
+                        f"convert it, e.g. tile[{name!r}].astype('float32'), or leave it out of the tile")
+    variable = variable.copy(deep=False)
+    encoding = _time_encoding(variable, name, state) if variable.dtype.kind in "mM" else {}
+    variable.encoding = dict(encoding)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # units xarray cannot keep: raised below instead
+        encoded = encode_zarr_variable(variable, name=name, zarr_format=3)
+        units = encoded.attrs.get("units", "")
+        if (variable.dtype.kind == "M" and "units" not in encoding and name == settings.append_dim
+                and units.startswith("days since")):
+            # a store that grows along time gets steps finer than the first call's: hours, unless told otherwise
+            variable.encoding = dict(encoding, units=f"hours since {pd.Timestamp(units[len('days since '):])}")
+            encoded = encode_zarr_variable(variable, name=name, zarr_format=3)
+    requested = variable.encoding.get("units")
+    if requested is not None:  # xarray may take other units where these cannot hold the values: check they do
+        kept = xr.Variable(encoded.dims, encoded.values, dict(encoded.attrs, units=requested))
+        decoded = xr.conventions.decode_cf_variable(name, kept, decode_timedelta=True).values
+        original = variable.values
+        same = (decoded == original) | (np.isnat(decoded) & np.isnat(original))
+        if decoded.shape != original.shape or not np.all(same):
+            source = "the store's" if state is not None and name in state else "its encoding's"
+            raise ValueError(f"write_tile: tile[{name!r}]'s values cannot be stored exactly in {source} units "
+                             f"{requested!r} (they need {encoded.attrs.get('units')!r}); write to a new path, "
+                             f"setting tile[{name!r}].encoding['units'] fine enough for every value, e.g. "
+                             "'minutes since 1970-01-01'")
+        encoded.attrs["units"] = requested
+    dtype = encoded.dtype
+    attrs = {k: encode_zarr_attr_value(v) for k, v in encoded.attrs.items() if k != "_FillValue"}
+    if encoded.attrs.get("_FillValue") is not None:
+        attrs["_FillValue"] = FillValueCoder.encode(encoded.attrs["_FillValue"], dtype)
+    fill_value = float("nan") if dtype.kind == "f" else None  # as xarray: NaN for floats, zarr's default else
+    return np.asarray(encoded.values), attrs, fill_value
+
+
+@dataclass(frozen=True)
+class _Local:
+    """What this rank brings: its encoded variables and what the agreement and the layout compare."""
+
+    values: Any  # {name: encoded ndarray}
+    variables: Any  # {name: (dims, dtype, shape with None along lat/lon, attrs, fill_value)}
+    group_attrs: Any
+    state: Any
+    description: Any
+    placement: Any
+
+
+def _local(tile, settings):
+    """Encode this rank's tile, read the store's metadata, and describe both."""
+    lat, lon = settings.lat, settings.lon
+    state = _read_state(settings.store, settings.append_dim)
+    variables, group_attrs = xr.conventions.encode_dataset_coordinates(tile)
+    values, described, alike, row, column = {}, {}, {}, {}, {}
+    for name in sorted(variables, key=str):
+        variable = variables[name]
+        data, attrs, fill_value = _encode(variable, str(name), settings, state)
+        shape = tuple(None if d in (lat, lon) else n for d, n in zip(variable.dims, data.shape))
+        described[str(name)] = (tuple(str(d) for d in variable.dims), data.dtype.str, shape, attrs, fill_value)
+        if name in (lat, lon):
+            continue
+        values[str(name)] = data
+        if lat not in variable.dims and lon not in variable.dims:
+            alike[str(name)] = _fingerprint(data)
+        elif lon not in variable.dims:
+            row[str(name)] = _fingerprint(data)
+        elif lat not in variable.dims:
+            column[str(name)] = _fingerprint(data)
+    group_attrs = {str(k): encode_zarr_attr_value(v) for k, v in group_attrs.items()}
+    summary = None if state is None else {
+        name: (a["dims"], a["shape"], a["chunks"], a["dtype"], repr(a["attrs"]),
+               None if a["values"] is None else _fingerprint(a["values"])) for name, a in sorted(state.items())}
+    description = {
+        "arguments": f"lat={lat!r}, lon={lon!r}, append_dim={settings.append_dim!r}, "
+                     f"chunks={dict(settings.chunks)!r}, path={settings.store_name!r}",
+        "variables": {n: (d[0], d[1], d[2]) for n, d in described.items()},
+        "attributes": {n: repr((d[3], d[4])) for n, d in described.items()} | {"(the tile's)": repr(group_attrs)},
+        "values": alike,
+        "store": repr(summary),
+    }
+    placement = (np.asarray(variables[lat].values), np.asarray(variables[lon].values), row, column)
+    return _Local(values, described, group_attrs, state, description, placement)
+
+
+def _mismatch(descriptions):
+    """The ValueError for ranks of one domain group that passed different tiles or arguments."""
+    problems = []
+    for field in ("arguments", "variables", "attributes", "values", "store"):
+        values = [d[field] for d in descriptions]
+        if all(v == values[0] for v in values):
+            continue
+        if isinstance(values[0], dict):
+            names = sorted(set().union(*values), key=str)
+            differ = [n for n in names if any(v.get(n) != values[0].get(n) for v in values)]
+            if field == "variables":
+                listing = "; ".join(f"rank {r}: " + ", ".join(
+                    f"{n}{tuple(v[n][0])} {np.dtype(v[n][1])}" for n in sorted(v) if n in differ) for r, v in
+                    enumerate(values))
+                problems.append(f"the variables (names, dims, dtypes, extents but latitude and longitude) differ "
+                                f"in {differ}: {listing}")
+            else:
+                what = "attributes" if field == "attributes" else "values (a variable without latitude or longitude)"
+                problems.append(f"the {what} of {differ} differ between ranks")
+        elif field == "store":
+            problems.append("the store's metadata differs between ranks (is the path on a file system every rank "
+                            "sees alike?)")
+        else:
+            problems.append("the arguments differ: " + ", ".join(f"rank {r}: {v}" for r, v in enumerate(values)))
+    return ValueError("write_tile: tile: every rank of the domain group must pass the same arguments and a tile of "
+                      "the same dataset (variables, dims, dtypes, attributes; values alike where a variable has "
+                      "neither latitude nor longitude), but:\n  " + "\n  ".join(problems) +
+                      "\nbuild each rank's tile from the same dataset, e.g. select_tile(ds, manager, halo=0), and "
+                      "pass the same path and arguments on every rank")
+
+
+def _check_shared(gathered, grid, axis):
+    """Raise ValueError unless the ranks of each tile row (axis 0) or column (axis 1) hold the same values of the
+    variables that lack the other dim."""
+    for index in range(grid[axis]):
+        ranks = [r for r in range(len(gathered)) if divmod(r, grid[1])[axis] == index]
+        first = gathered[ranks[0]][2 + axis]
+        for rank in ranks[1:]:
+            differ = sorted(n for n in first if gathered[rank][2 + axis][n] != first[n])
+            if differ:
+                what = ("row", "longitude") if axis == 0 else ("column", "latitude")
+                raise ValueError(f"write_tile: tile: ranks {ranks[0]} and {rank} are in tile {what[0]} {index} but "
+                                 f"hold different values of {differ}, which have no {what[1]} dim: every tile of a "
+                                 f"{what[0]} holds the same rows of them; cut each rank's tile from the same dataset, "
+                                 "e.g. select_tile(ds, manager, halo=0)")
+
+
+def _check_store(local, settings, lat_values, lon_values, shapes):
+    """Raise ValueError where the tiles disagree with the existing store (variables, dims, dtypes, extents,
+    coordinates, chunks)."""
+    state, lat, lon, where = local.state, settings.lat, settings.lon, f"the store at {settings.store_name!r}"
+    fix = "write to a new path, or pass tiles of the dataset the store holds"
+    names, stored = set(local.variables), set(state)
+    if names != stored:
+        raise ValueError(f"write_tile: tile: the tiles hold the variables {sorted(names)}, but {where} holds "
+                         f"{sorted(stored)} (missing: {sorted(stored - names)}, extra: {sorted(names - stored)}); "
+                         f"{fix}")
+    for name, (dims, dtype, _, _, _) in sorted(local.variables.items()):
+        array = state[name]
+        if array["dims"] != dims or np.dtype(array["dtype"]) != np.dtype(dtype):
+            raise ValueError(f"write_tile: tile: tile[{name!r}] has dims {dims} and dtype {np.dtype(dtype)}, but "
+                             f"{where} holds it with dims {array['dims']} and dtype {array['dtype']}; {fix}")
+        expected = tuple(n if d == settings.append_dim else shapes[name][k] for k, (d, n) in
+                         enumerate(zip(dims, array["shape"])))
+        if expected != array["shape"] and name not in (lat, lon):
+            raise ValueError(f"write_tile: tile: the tiles of {name!r} make an array of shape {shapes[name]} "
+                             f"(dims {dims}), but {where} holds shape {array['shape']}"
+                             f"{'' if settings.append_dim is None else f' (growing along {settings.append_dim!r})'}; "
+                             f"{fix}")
+    for name, values in ((lat, lat_values), (lon, lon_values)):
+        if not np.array_equal(state[name]["values"], values):
+            stored = state[name]["values"]
+            where_differ = ("different lengths" if len(stored) != len(values) else
+                            f"first difference at index {int(np.flatnonzero(stored != values)[0])}")
+            raise ValueError(f"write_tile: tile: the tiles' {name!r} coordinates ({len(values)} values from "
+                             f"{values[0]!r} to {values[-1]!r}) differ from {where}'s ({len(stored)} values, "
+                             f"{where_differ}); {fix}")
+    for name, data in sorted(local.values.items()):
+        dims = local.variables[name][0]
+        if dims == (name,) and name != settings.append_dim and not np.array_equal(state[name]["values"], data):
+            raise ValueError(f"write_tile: tile: the tiles' {name!r} coordinate {data.tolist()[:8]} differs from "
+                             f"{where}'s {state[name]['values'].tolist()[:8]}; {fix}")
+    for dim, size in settings.chunks:
+        for name, (dims, *_) in sorted(local.variables.items()):
+            if dim in dims and dims != (name,) and state[name]["chunks"][dims.index(dim)] != size:
+                raise ValueError(f"write_tile: chunks={dict(settings.chunks)} gives {dim!r} chunks of {size}, but "
+                                 f"{where} chunks {name!r} by {state[name]['chunks'][dims.index(dim)]} along "
+                                 f"{dim!r}: a store keeps its chunks; drop chunks= (or write to a new path)")
+
+
+def _plan(local, gathered, settings, grid):
+    """Every array this call writes (a list of :class:`_Array`), and the latitude and longitude
+    :class:`AxisSplit` s' extents; raise ValueError (alike on every rank: it reads only what every rank has)."""
+    lat, lon, append_dim = settings.lat, settings.lon, settings.append_dim
+    lat_tiles = tile_coordinates([g[0] for g in gathered], grid, 0, lat)
+    lon_tiles = tile_coordinates([g[1] for g in gathered], grid, 1, lon)
+    extents = {lat: place_tiles(lat_tiles, lat, "tile row"), lon: place_tiles(lon_tiles, lon, "tile column")}
+    _check_shared(gathered, grid, 0)
+    _check_shared(gathered, grid, 1)
+    lat_values, lon_values = np.concatenate(lat_tiles), np.concatenate(lon_tiles)
+    shapes = {name: tuple(sum(extents[d]) if d in extents else n for d, n in zip(dims, shape))
+              for name, (dims, _, shape, _, _) in local.variables.items()}
+    state = local.state
+    if state is not None:
+        _check_store(local, settings, lat_values, lon_values, shapes)
+    chunks = dict(settings.chunks)
+    arrays = []
+    for name, (dims, dtype, _, attrs, fill_value) in sorted(local.variables.items()):
+        shape, start = shapes[name], 0
+        if state is not None:
+            stored = state[name]
+            start = stored["shape"][dims.index(append_dim)] if append_dim in dims else 0
+            shape = tuple(s + (n if d == append_dim else 0) for d, s, n in zip(dims, stored["shape"], shape))
+            chunking = stored["chunks"]
+        elif dims == (name,):  # an index coordinate: one chunk, but along append_dim
+            chunking = (chunks.get(name, 1),) if name == append_dim else (max(shape[0], 1),)
+        else:
+            default = {lat: max(extents[lat]), lon: max(extents[lon]), append_dim: 1}
+            chunking = tuple(chunks.get(d, default.get(d, max(n, 1))) for d, n in zip(dims, shape))
+        index = dims == (name,)
+        write = name not in (lat, lon) and (state is None or not index or name == append_dim)
+        arrays.append(_Array(name, dims, dtype, shape, tuple(int(c) for c in chunking), attrs, fill_value, start,
+                             write))
+    return arrays, extents[lat], extents[lon], lat_values, lon_values
+
+
+def _prepare(settings, local, arrays, lat_values, lon_values):
+    """On domain rank 0: create the store's arrays (metadata) and its latitude and longitude, or grow its arrays."""
+    if local.state is None:
+        group = zarr.open_group(settings.store, mode="a", zarr_format=3, attributes=local.group_attrs)
+        for array in arrays:
+            created = group.create_array(array.name, shape=array.shape, chunks=array.chunks, dtype=array.dtype,
+                                         dimension_names=array.dims, fill_value=array.fill_value,
+                                         attributes=array.attrs)
+            if array.name in (settings.lat, settings.lon):
+                created[...] = lat_values if array.name == settings.lat else lon_values
+        return
+    if settings.append_dim is None:
+        return
+    group = zarr.open_group(settings.store, mode="r+")
+    for array in arrays:
+        if settings.append_dim in array.dims:
+            group[array.name].resize(array.shape)
+
+
+def _cut(dims, lat, lon, rows, columns, row_origin, column_origin):
+    """The index of global ``rows`` x ``columns`` in an array of ``dims`` whose rows start at the origins."""
+    index = []
+    for d in dims:
+        if d == lat:
+            index.append(slice(rows.start - row_origin, rows.stop - row_origin))
+        elif d == lon:
+            index.append(slice(columns.start - column_origin, columns.stop - column_origin))
+        else:
+            index.append(slice(None))
+    return tuple(index)
+
+
+def _pieces(buffer):
+    """``buffer``'s bytes in messages of at most :data:`_PIECE` bytes (at least one, maybe empty)."""
+    flat = buffer.reshape(-1).view(np.uint8)
+    return [flat[k:k + _PIECE] for k in range(0, max(flat.size, 1), _PIECE)]
+
+
+def _write_array(array, values, settings, axes, grid, coords, comm, group):
+    """Move ``array``'s rows to the writers of their chunks and write this rank's chunks; return a write error."""
+    MPI = mpi() if comm is not None else None
+    lat, lon = settings.lat, settings.lon
+    rows, columns = axes[0].written(coords[0]), axes[1].written(coords[1])
+    held_rows, held_columns = axes[0].held(coords[0]).start, axes[1].held(coords[1]).start
+    sends, receives = block_moves(axes, grid, coords)
+    owned = None
+    if receives == [(tuple(coords), rows, columns)]:  # this rank's chunks are all in its tile: write a view of it
+        owned = values[_cut(array.dims, lat, lon, rows, columns, held_rows, held_columns)]
+        receives = []
+    elif rows and columns:
+        shape = tuple(len(rows) if d == lat else len(columns) if d == lon else n
+                      for d, n in zip(array.dims, values.shape))
+        owned = np.empty(shape, values.dtype)
+    me = coords[0] * grid[1] + coords[1]
+    requests, arrived = [], []
+    for peer, block_rows, block_columns in receives:
+        into = _cut(array.dims, lat, lon, block_rows, block_columns, rows.start, columns.start)
+        if peer == tuple(coords):
+            owned[into] = values[_cut(array.dims, lat, lon, block_rows, block_columns, held_rows, held_columns)]
+            continue
+        buffer = np.empty(owned[into].shape, values.dtype)
+        source = peer[0] * grid[1] + peer[1]
+        requests += [comm.Irecv([piece, MPI.BYTE], source=source, tag=_TAG) for piece in _pieces(buffer)]
+        arrived.append((into, buffer))
+    for peer, block_rows, block_columns in sends:
+        destination = peer[0] * grid[1] + peer[1]
+        if destination == me:
+            continue
+        buffer = np.ascontiguousarray(values[_cut(array.dims, lat, lon, block_rows, block_columns, held_rows,
+                                                   held_columns)])
+        requests += [comm.Isend([piece, MPI.BYTE], dest=destination, tag=_TAG) for piece in _pieces(buffer)]
+    if requests:
+        wait_all(requests, comm=comm, call="write_tile")
+    for into, buffer in arrived:
+        owned[into] = buffer
+    if owned is None or group is None:
+        return None
+    region = []
+    for d in array.dims:
+        if d == lat:
+            region.append(slice(rows.start, rows.stop))
+        elif d == lon:
+            region.append(slice(columns.start, columns.stop))
+        elif d == settings.append_dim:
+            region.append(slice(array.start, array.start + owned.shape[array.dims.index(d)]))
+        else:
+            region.append(slice(None))
+    try:
+        group[array.name][tuple(region)] = owned
+    except Exception as exc:  # reported on every rank at the end: the others still need this rank's rows
+        return exc
+    return None
+
+
+def write_tile(tile, path, manager=None, *, lat="latitude", lon="longitude", append_dim=None, chunks=None):
+    """Write this rank's ``tile`` into the Zarr store at ``path``, with the other ranks' tiles: the whole field.
+
+    Collective over the manager's domain group: call on every rank of the
+    group with its own tile and the same other arguments. ``tile`` is an
+    ``xarray.Dataset`` holding this rank's tile without halos, with its own
+    ``lat`` and ``lon`` coordinates (as ``select_tile(ds, manager, halo=0)``
+    gives it, or built by hand: latitude slabs of a ``shard_dim=-2`` manager,
+    ``(D_lat, D_lon)`` tiles of a ``shard_dim=(-2, -1)`` one, cut as
+    :func:`mpidomain.balanced_split` cuts rows). Every rank returns None once
+    every chunk is written. With no manager in a one-process job, the tile is
+    the whole field.
+
+    A new store gets every variable and coordinate of the tiles, the global
+    ``lat`` and ``lon`` from the ranks' coordinates (gathered, checked), and
+    ``chunks`` (``{dim: size}``); by default each latitude and longitude chunk
+    is as large as the largest tile along it, other dims one chunk, and
+    ``append_dim`` chunks of 1; 1-d index coordinates are one chunk (but along
+    ``append_dim``). An existing store keeps its chunks. With ``append_dim``
+    (e.g. ``"time"``) the tiles' steps go after the store's, that coordinate
+    too; without it the tiles overwrite the store (its coordinates must equal
+    the tiles'). Each chunk is written whole by one rank, the one holding its
+    first row and column; the ranks holding its other rows send them there
+    over the library's domain communicator first, so chunks that straddle
+    tiles lose no write and the store's bytes are those one process would
+    write. A rank holds its tile and the chunks it writes: chunks no larger
+    than tiles keep that near ``1/D`` of the field.
+
+    Before any byte is written, every rank of the group raises the same
+    ValueError (TypeError for a wrong type) and leaves an existing store as it
+    was, for: tiles that overlap, run out of order or leave a hole (each
+    rank's coordinates, gathered, run strictly monotonic across the tiles in
+    the manager's order; the tiles of a row share latitudes, of a column
+    longitudes; on a regular grid a step between two tiles other than the
+    spacing inside them is a hole), tiles with halos, extents other than the
+    manager's layout, coordinates or variables other than the existing
+    store's, variables, dims, dtypes or arguments that differ between ranks,
+    and chunks that name no dim of the tile, are below 1, or differ from the
+    existing store's.
+
+    With data-parallel groups (``data_parallel_size > 1``) each domain group
+    writes its own samples: give each group its own store, e.g.
+    ``f"out_{manager.dp_rank}.zarr"`` (every rank of a domain group has the
+    same ``dp_rank``); two groups must never write one store.
+
+    :param tile: This rank's tile, an ``xarray.Dataset`` without halos.
+    :param path: The store: a path, or a zarr Store (e.g. a :class:`~mpidomain.data.CountingStore`).
+    :param manager: Default: the global manager from ``initialize_domain_parallel``.
+    :param lat: The latitude dim's name.
+    :param lon: The longitude dim's name.
+    :param append_dim: Grow the store along this dim (None: overwrite it).
+    :param chunks: A new store's chunk sizes, ``{dim: size}``.
+    """
+    manager = require_manager(manager, "write_tile", alone_ok=True)
+    comm = None if manager is None else library_comm(manager)
+    grid, coords = ((1, 1), (0, 0)) if manager is None else (
+        (tuple(manager.domain_shape) + (1,))[:2], (tuple(manager.domain_coords) + (0,))[:2])
+    error = settings = local = None
+    try:
+        if manager is not None and manager.shard_dims not in ((-2,), (-2, -1)):
+            raise ValueError(f"write_tile writes latitude slabs (shard_dim=-2) or latitude x longitude tiles "
+                             f"(shard_dim=(-2, -1)), but the manager shards dims {manager.shard_dims}; build the "
+                             "manager with shard_dim=-2 or (-2, -1)")
+        settings = _settings(tile, path, lat, lon, append_dim, chunks)
+        local = _local(tile, settings)
+    except Exception as exc:  # every local failure becomes the same error on every rank
+        error = exc
+    if comm is not None:
+        agree(comm, "write_tile", None if local is None else local.description, error=error, mismatch=_mismatch)
+        gathered = comm.allgather(local.placement)
+    elif error is not None:
+        raise error
+    else:
+        gathered = [local.placement]
+    arrays, lat_counts, lon_counts, lat_values, lon_values = _plan(local, gathered, settings, grid)
+    error = None
+    if coords == (0, 0):
+        try:
+            _prepare(settings, local, arrays, lat_values, lon_values)
+        except Exception as exc:
+            error = exc
+    if comm is not None:
+        raise_on_all_ranks(comm, error, "write_tile")
+    elif error is not None:
+        raise error
+    group, error = None, None
+    try:
+        group = zarr.open_group(settings.store, mode="r+")
+    except Exception as exc:
+        error = exc
+    for array in arrays:
+        if not array.write:
+            continue
+        axes = tuple(AxisSplit(counts, array.chunks[array.dims.index(dim)]) if dim in array.dims else
+                     absent_axis(parts) for dim, counts, parts in ((lat, lat_counts, grid[0]),
+                                                                   (lon, lon_counts, grid[1])))
+        failed = _write_array(array, local.values[array.name], settings, axes, grid, coords, comm,
+                              None if error is not None else group)
+        error = error or failed
+    if comm is not None:
+        raise_on_all_ranks(comm, error, "write_tile")
+    elif error is not None:
+        raise error

@@ -1,0 +1,92 @@
+"""What one forecast job does: :class:`ForecastSettings`, checked before any rank starts work."""
+
+from dataclasses import dataclass
+from typing import Optional, Tuple, Union
+
+__all__ = ["ForecastSettings", "MODELS", "DTYPES"]
+
+MODELS = ("auto", "cnn", "crossformer")
+DTYPES = ("float32", "float64")
+
+
+@dataclass(frozen=True)
+class ForecastSettings:
+    """The settings of ``python -m mpidomain forecast`` (its options, one field each).
+
+    :param data: Zarr store to train on and verify against; None writes a synthetic ERA5-like one in ``out``.
+    :param variables: Variables of the store to model (None: every variable on the latitude x longitude grid).
+    :param domain: Ranks per domain group (latitude slabs) or ``(D_lat, D_lon)`` tiles; the rest of the
+        ranks are data-parallel groups.
+    :param steps: Training steps in all (a resumed run continues up to it).
+    :param train_rollout: Steps of the rollout the last third of the training steps backpropagates through.
+    :param rollout: Steps of the forecast written at the end.
+    :param batch: Samples per training step over all data-parallel groups (each group takes batch / groups).
+    :param out: Folder for the synthetic store, the checkpoint and the forecast (None: a temporary folder).
+    :param plot: PNG to draw (the loss curve, a forecast field next to the truth), or None.
+    :param model: ``cnn`` (the built-in U-Net), ``crossformer`` (CREDIT's) or ``auto`` (CREDIT's where installed).
+    :param dtype: ``float32`` or ``float64`` (the model, the samples and the arithmetic).
+    :param grid: Latitudes x longitudes of the synthetic store.
+    :param times: Time steps of the synthetic store.
+    :param lr: Adam's learning rate.
+    :param seed: Seed of the model's weights and of the samples each step draws.
+    :param resume: Checkpoint to continue training from (at any layout of ranks).
+    :param stop_after: Stop after this training step, with a checkpoint, before the forecast.
+    :param estimate: Print the predicted activation memory per rank for this layout and stop.
+    """
+
+    data: Optional[str] = None
+    variables: Optional[Tuple[str, ...]] = None
+    domain: Union[int, Tuple[int, int], None] = None
+    steps: int = 30
+    train_rollout: int = 2
+    rollout: int = 4
+    batch: int = 4
+    out: Optional[str] = None
+    plot: Optional[str] = None
+    model: str = "auto"
+    dtype: str = "float32"
+    grid: Tuple[int, int] = (64, 128)
+    times: int = 40
+    lr: float = 1e-3
+    seed: int = 0
+    resume: Optional[str] = None
+    stop_after: Optional[int] = None
+    estimate: bool = False
+
+    def problems(self, world_size):
+        """Return what is wrong with these settings for ``world_size`` ranks, one line each (empty: fine)."""
+        found = []
+        for name in ("steps", "train_rollout", "rollout", "batch", "times"):
+            if getattr(self, name) < 1:
+                found.append(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.model not in MODELS:
+            found.append(f"--model must be one of {', '.join(MODELS)}, got {self.model!r}")
+        if self.dtype not in DTYPES:
+            found.append(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.lr <= 0:
+            found.append(f"--lr must be > 0, got {self.lr}")
+        if self.stop_after is not None and not 1 <= self.stop_after <= self.steps:
+            found.append(f"--stop-after must be between 1 and --steps {self.steps}, got {self.stop_after}")
+        d = self.domain_size(world_size)
+        if world_size % d:
+            found.append(f"-D {self.domain_text(world_size)} needs a number of ranks it divides, got {world_size} ranks; "
+                         f"run with a multiple of {d} ranks or choose another -D")
+        elif self.batch % (world_size // d):
+            found.append(f"--batch {self.batch} must split evenly over the {world_size // d} data-parallel groups "
+                         f"({world_size} ranks / D={d}); use a multiple of {world_size // d}")
+        return found
+
+    def domain_size(self, world_size):
+        """Ranks per domain group: the product of ``domain``, or the default for ``world_size`` ranks."""
+        d = self.domain_shape(world_size)
+        return d[0] * (d[1] if len(d) == 2 else 1)
+
+    def domain_shape(self, world_size):
+        """``(D,)`` slabs or ``(D_lat, D_lon)`` tiles; by default 2 slabs where the ranks are even, else 1."""
+        if self.domain is None:
+            return (2,) if world_size % 2 == 0 else (1,)
+        return tuple(self.domain) if isinstance(self.domain, tuple) else (self.domain,)
+
+    def domain_text(self, world_size):
+        """The layout as -D spells it: ``4`` or ``2x2``."""
+        return "x".join(str(d) for d in self.domain_shape(world_size))

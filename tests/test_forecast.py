@@ -1,0 +1,152 @@
+"""``python -m mpidomain forecast``: the whole job from disk to disk, the same at every layout of the ranks.
+
+In-process runs (:func:`mpidomain.forecast.run_forecast` on the suite's world) compare the layouts this world
+allows with each other: at 4 ranks D = 1, 2, 4 and 2 x 2, at 2 ranks D = 1 and 2. A resumed run continues as
+the uninterrupted one, also at another D. Two fresh jobs check the command line itself.
+"""
+
+import os
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+xr = pytest.importorskip("xarray")
+pytest.importorskip("zarr")
+pytest.importorskip("tqdm")
+
+from mpidomain.forecast import ForecastSettings, run_forecast  # noqa: E402
+from mpitest import run_mpi, share  # noqa: E402
+
+# The U-Net halves the field once: every tile needs an even number of rows and columns.
+SMALL = dict(model="cnn", grid=(16, 32), times=12, steps=6, train_rollout=2, rollout=3, batch=4)
+FLOAT64 = 1e-10
+FLOAT32 = 1e-5
+
+
+def layouts(world):
+    """The -D values this world can run, each with a batch its data-parallel groups divide."""
+    found = [1, 2, 4, (2, 2)] if world.size == 4 else [1, 2] if world.size == 2 else [1] if world.size == 1 else []
+    if not found:
+        pytest.skip(f"the comparison runs at 1, 2 or 4 ranks, not {world.size}")
+    return found
+
+
+def folder(world, tmp_path, name):
+    path = share(world, str(tmp_path / name) if world.rank == 0 else None)
+    return path
+
+
+def run(world, tmp_path, name, **changes):
+    """Run the job in this process on every rank; return (losses, forecast Dataset loaded)."""
+    out = folder(world, tmp_path, name)
+    settings = ForecastSettings(**{**SMALL, "out": out, **changes})
+    lines = []
+    assert run_forecast(settings, out=lines.append) == 0
+    losses = torch.load(os.path.join(out, "checkpoint.pt"), weights_only=False)["losses"]
+    forecast = None
+    if settings.stop_after is None:
+        forecast = xr.open_zarr(os.path.join(out, "forecast.zarr"), consolidated=False, chunks=None).load()
+    return losses, forecast, lines
+
+
+def relative(a, b):
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-300))
+
+
+def assert_same(got, want, tolerance, what):
+    losses, forecast, _ = got
+    losses0, forecast0, _ = want
+    assert len(losses) == len(losses0)
+    assert relative(losses, losses0) <= tolerance, f"{what}: losses {losses} vs {losses0}"
+    assert sorted(forecast.data_vars) == sorted(forecast0.data_vars)
+    for name in forecast0.data_vars:
+        assert forecast[name].dims == forecast0[name].dims and forecast[name].dtype == forecast0[name].dtype
+        assert relative(forecast[name].values, forecast0[name].values) <= tolerance, f"{what}: {name}"
+    for name in forecast0.coords:
+        assert np.array_equal(forecast[name].values, forecast0[name].values), f"{what}: coordinate {name}"
+
+
+def test_float64_runs_agree_at_every_layout(world, tmp_path, fresh_manager):
+    found = layouts(world)
+    runs = {d: run(world, tmp_path, f"d{d}", domain=d, dtype="float64") for d in found}
+    reference = runs[1]
+    losses, forecast, lines = reference
+    single = SMALL["steps"] - SMALL["steps"] // 3  # the steps before the rollout fine-tuning
+    assert losses[single - 1] < losses[0], f"training did not lower the loss: {losses}"
+    assert set(forecast.data_vars) == {"t", "u", "v", "t2m", "sp"}
+    assert forecast.sizes["time"] == SMALL["rollout"] and forecast["t"].dims == ("time", "level", "latitude",
+                                                                                   "longitude")
+    assert np.isfinite(forecast["t"].values).all() and forecast["t"].dtype == np.float64
+    if world.rank == 0:
+        assert lines[-1].startswith("forecast done: cnn float64, D=1"), lines[-1]
+        assert any("latitude-weighted RMSE" in line for line in lines)
+    for d, got in runs.items():
+        assert_same(got, reference, FLOAT64, f"D={d}")
+
+
+def test_float32_runs_agree_across_layouts(world, tmp_path, fresh_manager):
+    found = layouts(world)
+    first, last = found[0], found[-1]
+    assert_same(run(world, tmp_path, "last", domain=last), run(world, tmp_path, "first", domain=first), FLOAT32,
+                f"D={last} against D={first}")
+
+
+def test_resume_at_another_layout_continues_the_run(world, tmp_path, fresh_manager):
+    found = layouts(world)
+    whole = run(world, tmp_path, "whole", domain=found[-1], dtype="float64")
+    half = run(world, tmp_path, "half", domain=found[-1], dtype="float64", stop_after=3)
+    assert half[1] is None and len(half[0]) == 3
+    checkpoint = os.path.join(folder(world, tmp_path, "half"), "checkpoint.pt")
+    resumed = run(world, tmp_path, "resumed", domain=found[0], dtype="float64", resume=checkpoint)
+    assert_same(resumed, whole, FLOAT64, f"stopped at D={found[-1]}, resumed at D={found[0]}")
+
+
+def test_bad_data_and_checkpoint_raise_on_every_rank(world, tmp_path, fresh_manager):
+    with pytest.raises(ValueError, match="--data .*no such Zarr store"):
+        run_forecast(ForecastSettings(**{**SMALL, "data": str(tmp_path / "missing.zarr"),
+                                         "out": folder(world, tmp_path, "x")}), out=lambda line: None)
+    with pytest.raises(ValueError, match="--resume .*no such file"):
+        run_forecast(ForecastSettings(**{**SMALL, "resume": "/nonexistent/checkpoint.pt",
+                                         "out": folder(world, tmp_path, "y")}), out=lambda line: None)
+    with pytest.raises(ValueError, match="--rollout must be >= 1"):
+        run_forecast(ForecastSettings(**{**SMALL, "rollout": 0}), out=lambda line: None)
+
+
+@pytest.mark.mpi_job
+def test_the_command_runs_and_draws(world, tmp_path):
+    result = None
+    if world.rank == 0:
+        out = tmp_path / "job"
+        done = run_mpi(4, ["-m", "mpidomain", "forecast", "--model", "cnn", "--grid", "16x32", "--times", "12",
+                           "--steps", "4", "--rollout", "2", "-D", "2x2", "--out", str(out),
+                           "--plot", str(out / "forecast.png")], timeout=240)
+        png = out / "forecast.png"
+        result = (done.returncode, done.stdout, done.stderr, png.exists() and png.stat().st_size > 10000,
+                  sorted(os.listdir(out)) if out.exists() else [])
+    status, stdout, stderr, drawn, files = share(world, result)
+    assert status == 0, stderr[-3000:]
+    lines = stdout.strip().splitlines()
+    assert lines[-1].startswith("forecast done: cnn float32, D=2x2 x 1 group(s)"), stdout
+    assert " MiB/rank" in lines[-1] and "s/step" in lines[-1]
+    assert drawn and {"checkpoint.pt", "era5-synthetic.zarr", "forecast.zarr", "forecast.png"} <= set(files)
+    assert "train" in stderr and "forecast" in stderr  # the progress bars (rank 0, stderr)
+    assert "Exception ignored" not in stderr
+
+
+@pytest.mark.mpi_job
+@pytest.mark.parametrize("args, message", [
+    (["--steps", "0"], "--steps must be >= 1, got 0"),
+    (["-D", "3"], "-D 3 needs a number of ranks it divides"),
+    (["--batch", "3"], "--batch 3 must split evenly over the 2 data-parallel groups"),
+    (["--rollout", "x"], "argument --rollout: invalid int value"),
+])
+def test_bad_arguments_give_one_line_and_status_2(world, args, message):
+    result = None
+    if world.rank == 0:
+        done = run_mpi(4, ["-m", "mpidomain", "forecast", "--model", "cnn", *args], timeout=120)
+        result = (done.returncode, done.stdout, done.stderr)
+    status, stdout, stderr = share(world, result)
+    assert status == 2, stderr
+    assert len(stderr.strip().splitlines()) == 1 and message in stderr, stderr
