@@ -20,8 +20,8 @@ from zarr.storage import LocalStore
 from .._mpi import mpi, raise_on_all_ranks, wait_all
 from ..data import CountingStore, TileDataset, select_tile, write_tile
 from ..manager import initialize_domain_parallel, library_comm
-from ..models import UNet, convert_model, credit_crossformer, credit_missing
-from ..nn import LatitudeWeightedMSE, allreduce_gradients, latitude_weighted_rmse
+from ..models import UNet, convert_model, credit_crossformer, credit_missing, custom_converters
+from ..nn import LatitudeWeightedMSE, allreduce_gradients, estimate_memory, latitude_weighted_rmse
 from ..reduce import allreduce
 from .synthetic import write_synthetic_store
 
@@ -165,8 +165,8 @@ class _Job:
         reasons = self.world.allgather(credit_missing())
         return "cnn" if any(reasons) else "crossformer"
 
-    def build_model(self, name):
-        """The model on one process's terms, seeded; converted to domain-parallel."""
+    def single_model(self, name):
+        """The model on one process's terms, seeded (the same weights on every rank and at every layout)."""
         torch.manual_seed(self.settings.seed)
         height, width = self.data.sizes[LAT], self.data.sizes[LON]
         if name == "crossformer":
@@ -179,7 +179,11 @@ class _Job:
                 global_window_size=(2, 2, 1, 1)))
         else:
             model = UNet(len(self.channels), width=16)
-        model = model.to(self.dtype)
+        return model.to(self.dtype)
+
+    def build_model(self, name):
+        """The model, seeded, converted to domain-parallel."""
+        model = self.single_model(name)
         return _agreed(self.world, f"forecast: converting the {name} model",
                        lambda: convert_model(model, self.manager))
 
@@ -326,9 +330,9 @@ def run_forecast(settings, out=print):
         resumed = job.load(settings.resume, name) if settings.resume else None
         statistics = resumed["statistics"] if resumed else job.statistics()
         job.samples(statistics)
-        model = job.build_model(name)
         if settings.estimate:
             return _estimate(job, name)
+        model = job.build_model(name)
         optimizer = torch.optim.Adam(model.parameters(), lr=settings.lr)
         first = 1
         if resumed:
@@ -409,4 +413,16 @@ def _summary(job, name, layout, seconds):
 
 
 def _estimate(job, name):
-    raise NotImplementedError
+    """Print what one training step's forward saves for backward on the largest rank, predicted before any
+    activation exists (:func:`mpidomain.nn.estimate_memory`), for this layout and for one process."""
+    settings = job.settings
+    per_group = settings.batch // job.manager.data_parallel_size
+    shape = (per_group, len(job.channels), job.data.sizes[LAT], job.data.sizes[LON])
+    estimate = estimate_memory(job.single_model(name), shape, job.manager, custom_converters=custom_converters)
+    if job.rank == 0:
+        job.print(f"estimate for {name} {settings.dtype}, batch {per_group} per domain group: {estimate}")
+        job.print(f"training steps save {estimate.bytes_per_rank / 2**20:.1f} MiB per rank, the "
+                  f"{settings.train_rollout}-step fine-tuning "
+                  f"{settings.train_rollout * estimate.bytes_per_rank / 2**20:.1f} MiB (each step of a rollout "
+                  "saves as much again)")
+    return 0
