@@ -2,6 +2,7 @@
 
 import importlib.util
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -85,6 +86,22 @@ def run_mpi(n, args, timeout=120, env=None):
         command.insert(1, "--oversubscribe")
         extra.update(open_mpi_env())
     return subprocess.run(command, env=launcher_env(extra), capture_output=True, text=True, timeout=timeout)
+
+
+def program_lines(stderr):
+    """Return the lines of a job's ``stderr`` that its program printed, without the launcher's own report.
+
+    Open MPI's launcher adds a block framed by lines of dashes when a rank exits with a nonzero status
+    ("prterun detected that one or more processes exited ..."); that block is the launcher's, not ours.
+    """
+    lines, inside = [], False
+    for line in stderr.strip().splitlines():
+        if re.fullmatch(r"-{20,}", line.strip()):
+            inside = not inside
+            continue
+        if not inside:
+            lines.append(line)
+    return lines
 
 
 def open_mpi():

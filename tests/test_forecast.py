@@ -16,7 +16,7 @@ pytest.importorskip("zarr")
 pytest.importorskip("tqdm")
 
 from mpidomain.forecast import ForecastSettings, run_forecast  # noqa: E402
-from mpitest import run_mpi, share  # noqa: E402
+from mpitest import program_lines, run_mpi, share  # noqa: E402
 
 # The U-Net halves the field once: every tile needs an even number of rows and columns.
 SMALL = dict(model="cnn", grid=(16, 32), times=12, steps=6, train_rollout=2, rollout=3, batch=4)
@@ -149,4 +149,4 @@ def test_bad_arguments_give_one_line_and_status_2(world, args, message):
         result = (done.returncode, done.stdout, done.stderr)
     status, stdout, stderr = share(world, result)
     assert status == 2, stderr
-    assert len(stderr.strip().splitlines()) == 1 and message in stderr, stderr
+    assert len(program_lines(stderr)) == 1 and message in stderr, stderr
