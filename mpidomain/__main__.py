@@ -14,7 +14,8 @@ import sys
 import warnings
 
 from . import binding, check, info
-from ._mpi import _ranges, mpi
+from ._errors import rank_ranges
+from ._mpi import mpi
 from .manager import initialize_domain_parallel, library_comm
 
 
@@ -213,11 +214,11 @@ def _check(args):
     with warnings.catch_warnings():  # check reports GPU sharing itself
         warnings.simplefilter("ignore", RuntimeWarning)
         manager = _manager(args, mpi().COMM_WORLD.Get_size())
-    d, d_lon = (manager.domain_shape if len(manager.domain_shape) == 2 else (manager.domain_parallel_size, 1))
+    d, d_lon = (manager.domain_shape if manager.tiled else (manager.domain_parallel_size, 1))
     shape = args.shape or (1, 32, 16 * d, 1440)
     if args.halo_width < 1 or args.repeats < 1:
         raise ValueError(f"--halo-width and --repeats must be >= 1, got {args.halo_width} and {args.repeats}")
-    tiles = len(manager.domain_shape) == 2
+    tiles = manager.tiled
     for what, n, parts in (("rows", shape[-2], d), ("columns", shape[-1], d_lon)):
         if n // parts < args.halo_width:
             over = f"{parts} tiles" if tiles else f"D={parts} ranks"
@@ -233,7 +234,7 @@ def _check(args):
     elif device == "cuda" and not all(has_gpu):
         missing = [rank for rank, ok in enumerate(has_gpu) if not ok]
         raise ValueError(
-            f"--device cuda, but ranks {_ranges(missing)} have no CUDA device bound (torch or cupy with a GPU, "
+            f"--device cuda, but ranks {rank_ranges(missing)} have no CUDA device bound (torch or cupy with a GPU, "
             "and --bind-device not none); use --device cpu, or check the nodes' GPUs and CUDA_VISIBLE_DEVICES"
         )
     status = check.run_check(manager, device, shape, args.halo_width, args.repeats)

@@ -14,7 +14,8 @@ import warnings
 from dataclasses import dataclass
 from typing import Optional
 
-from ._mpi import check_same, mpi, raise_on_all_ranks
+from ._errors import check_same, raise_on_all_ranks
+from ._mpi import mpi
 
 __all__ = ["DeviceBinding", "bind_device"]
 

@@ -15,10 +15,12 @@ import statistics
 import numpy as np
 
 from . import devices, info, transport
-from ._mpi import _ranges, mpi
+from ._errors import rank_ranges
+from ._mpi import mpi
 from .halo_call import halo_exchange
-from .sharding import balanced_split, gather_tensor, shard_tensor
+from .sharding import gather_tensor, shard_tensor
 from .manager import library_comm
+from .tile_layout import balanced_split
 
 __all__ = ["run_check"]
 
@@ -47,7 +49,7 @@ class _Report:
                 by_message.setdefault(message, []).append(rank)
         for message, ranks in by_message.items():
             self.failures.append((step, message, ranks))
-            self.say(f"  FAILED on rank{'s' * (len(ranks) > 1)} {_ranges(ranks)}: {message}")
+            self.say(f"  FAILED on rank{'s' * (len(ranks) > 1)} {rank_ranges(ranks)}: {message}")
         return not by_message
 
 
@@ -100,8 +102,8 @@ def _padded_global(full, widths, boundary):
 
 def _tile_window(manager, full):
     """This rank's (start, count) along latitude and along longitude (count = all of it for slabs)."""
-    shape = manager.domain_shape if len(manager.domain_shape) == 2 else (manager.domain_parallel_size, 1)
-    coords = manager.domain_coords if len(manager.domain_shape) == 2 else (manager.domain_rank, 0)
+    shape = manager.domain_shape if manager.tiled else (manager.domain_parallel_size, 1)
+    coords = manager.domain_coords if manager.tiled else (manager.domain_rank, 0)
     window = []
     for n, parts, c in zip(full.shape[-2:], shape, coords):
         counts, offsets = balanced_split(n, parts)
@@ -122,7 +124,7 @@ def _mismatch(got, expected, what):
 def _check_halo(manager, full, device, width):
     (lat, rows), (lon, cols) = _tile_window(manager, full)
     shard = shard_tensor(_on_device(full, device), dim=manager.shard_dim, manager=manager, allow_uneven=True)
-    tiles = len(manager.domain_shape) == 2
+    tiles = manager.tiled
     errors = []
     for boundary in ("zeros", "periodic", "earth"):  # every exchange on every rank, whatever the first found
         if boundary == "earth":
@@ -191,7 +193,7 @@ def run_check(manager, device, shape, width, repeats):
     report = _Report(manager)
     world = manager.world_size
     binding = manager.device_binding
-    along = "dims (-2, -1), tiles" if len(manager.domain_shape) == 2 else "dim -2"
+    along = "dims (-2, -1), tiles" if manager.tiled else "dim -2"
     report.say(f"mpidomain check: {world} ranks, {_axes(manager)}, device {device}, "
                f"global shape {tuple(shape)} float32 (sharded along {along}), halo width {width}")
 
@@ -244,7 +246,7 @@ def run_check(manager, device, shape, width, repeats):
         report.say(f"  rank {rank} ({hosts[rank]}): {text}")
     shared = sorted({r for r, b in enumerate(library_comm(manager, "world").allgather(binding.shared_with if binding else ())) if b})
     if shared:
-        report.notes.append(f"ranks {_ranges(shared)} share a GPU")
+        report.notes.append(f"ranks {rank_ranges(shared)} share a GPU")
 
     summary = f"{world} ranks on {manager.num_nodes} node(s), {_axes(manager)}, {device}"
     if slowest is not None:
@@ -254,7 +256,7 @@ def run_check(manager, device, shape, width, repeats):
     if not report.failures:
         report.say(f"check passed: halo exchange and shard/gather exact; {summary}")
         return 0
-    failed = "; ".join(f"{step} on rank{'s' * (len(r) > 1)} {_ranges(r)}: {m}" for step, m, r in report.failures)
+    failed = "; ".join(f"{step} on rank{'s' * (len(r) > 1)} {rank_ranges(r)}: {m}" for step, m, r in report.failures)
     report.say(f"check FAILED: {failed}; {summary}")
     return 1
 
@@ -262,7 +264,7 @@ def run_check(manager, device, shape, width, repeats):
 def _axes(manager):
     """The three axes' sizes, as the header and the verdict print them."""
     d = manager.domain_parallel_size
-    if len(manager.domain_shape) == 2:
+    if manager.tiled:
         d = f"{d} ({manager.domain_shape[0]}x{manager.domain_shape[1]} tiles)"
     return f"D={d}, T={manager.tensor_parallel_size}, dp={manager.data_parallel_size}"
 

@@ -38,10 +38,11 @@ import sys
 
 import numpy as np
 
-from . import devices, plan_cache, transport
+from . import comm_stats, devices, plan_cache, transport
 from ._datatypes import block_shape, message, struct_of_blocks
 from ._exit import stands_down_at_exit
-from ._mpi import is_active, mpi, wait_all
+from ._mpi import is_active, mpi
+from ._waits import wait_all
 from ._validate import require_manager
 from .halo_spec import agree_inputs, check_tiles, describe
 from .tile_layout import TileLayout
@@ -252,6 +253,8 @@ class HaloPlan:
         if self._receive_in_place and self._receives:
             self._bind_receives(working)
         if self._requests:
+            if comm_stats.recorder is not None:
+                comm_stats.sent("halo", sum(buffer.nbytes for buffer in self._send_buffers))
             mpi().Prequest.Startall(self._requests)
 
     def _finish(self, working):
@@ -392,7 +395,7 @@ class HaloPlan:
     def _go_ahead(self, x, host, out, fresh, agreement, messages):
         """Prepare ``x``'s padded result (into ``out``, or a new array if None; ``fresh``: the caller passed None)
         and, if ``agreement.ahead``, start its halos now, listing them in ``messages``
-        (:class:`~mpidomain._mpi.AheadMessages`); return ``(out, views, started, copied)``: ``views`` the
+        (:class:`~mpidomain._agreement.AheadMessages`); return ``(out, views, started, copied)``: ``views`` the
         :meth:`Transport.view` of ``x`` (``host``: its host view, or None) and of ``out``, ``copied`` whether ``x``
         is in the interior already. Finish with :meth:`_complete` if ``started``, else :meth:`_pad`."""
         if out is None:
@@ -472,6 +475,8 @@ class HaloPlan:
                     for m, buffer in zip(self._sends, self._send_buffers)]
         requests += [self._comm.Isend(message(buffer), dest=m.peer, tag=m.tag)
                      for m, buffer in zip(self._receives, self._recv_buffers)]
+        if comm_stats.recorder is not None:
+            comm_stats.sent("halo", sum(buffer.nbytes for buffer in self._recv_buffers))
         wait_all(requests, comm=self._comm, call="HaloPlan.adjoint",
                  awaiting=lambda: _awaiting(self._sends, self._receives))
         for bundle, views in zip(self._sends, self._send_views):

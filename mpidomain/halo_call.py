@@ -10,7 +10,7 @@ move, are :mod:`mpidomain.halo`'s.
 """
 
 from . import devices, plan_cache
-from ._mpi import AheadMessages, Agreement, agreement_code
+from ._agreement import AheadMessages, Agreement, agreement_code
 from ._validate import require_manager
 from .halo import HaloPlan
 from .halo_spec import describe, group_mismatch
@@ -38,7 +38,7 @@ class _Spelling:
 
     ``signature`` and ``code`` are what its agreement compares, ``mine`` the
     :class:`~mpidomain.halo_spec.HaloSpec` they described. ``agreement`` is
-    the pad's :class:`~mpidomain._mpi.Agreement` with the plan's halos to go
+    the pad's :class:`~mpidomain._agreement.Agreement` with the plan's halos to go
     ahead of it (``ahead``), prepared by the first pad that finds the plan this way and
     started again by each one after it.
     """

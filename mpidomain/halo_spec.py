@@ -14,7 +14,8 @@ import dataclasses
 import numpy as np
 
 from . import devices
-from ._mpi import agree, allgather_ints
+from ._agreement import agree
+from ._waits import allgather_ints
 from ._validate import normalize_dim, require_int
 
 __all__ = ["HaloSpec", "describe", "group_mismatch", "agree_inputs", "check_tiles"]

@@ -45,7 +45,7 @@ def _row(manager):
         "dp": manager.dp_rank,
         "tp": manager.tp_rank,
         "domain": manager.domain_rank,
-        **({"tile": "({},{})".format(*manager.domain_coords)} if len(manager.domain_shape) == 2 else {}),
+        **({"tile": "({},{})".format(*manager.domain_coords)} if manager.tiled else {}),
         "domain group": manager.mesh.group_index("domain"),
         "prev": "-" if prev_rank is None else prev_rank,
         "next": "-" if next_rank is None else next_rank,
@@ -86,7 +86,7 @@ def format_layout(manager, rows, header_extra=()):
         f"domain parallel   : D={manager.domain_parallel_size}, shard_dim={manager.shard_dim}"
         + (f", {manager.domain_shape[0]} x {manager.domain_shape[1]} latitude x longitude tiles (domain rank = "
            f"i_lat * {manager.domain_shape[1]} + i_lon; prev/next: the tiles north and south)"
-           if len(manager.domain_shape) == 2 else ", latitude slabs" if manager.shard_dim == -2 else ""),
+           if manager.tiled else ", latitude slabs" if manager.shard_dim == -2 else ""),
         f"tensor parallel   : T={manager.tensor_parallel_size}",
         f"domain groups     : {groups('domain')}",
         f"tensor-par. grps  : {groups('tp')}",

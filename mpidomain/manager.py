@@ -25,7 +25,10 @@ from . import abort, binding
 from . import torch_bridge as bridge
 from ._current import closed_error, current_manager, forget, make_current
 from ._exit import stands_down_at_exit
-from ._mpi import _ranges, check_same, forget_timeout, is_active, mpi, share_agreements, unshare_agreements
+from ._errors import check_same, rank_ranges
+from ._mpi import is_active, mpi
+from ._routing import share_agreements, unshare_agreements
+from ._waits import forget_timeout
 from ._validate import is_int
 from .launcher import check_launcher_world, detect_launcher
 from .mesh import AXES, Mesh
@@ -178,7 +181,7 @@ class DomainParallelManager:
         # The library's own traffic (halos, shard/gather, agreement steps) travels on duplicates
         # the user never holds, so no user receive (ANY_TAG included) can match it.
         self._private = {"domain": self._domain_comm.Dup(), "tp": self._tp_comm.Dup(), "data": self._dp_comm.Dup()}
-        if len(self.domain_shape) == 2:  # tiles: a band of one latitude row, a column of one longitude
+        if self.tiled:  # a band of one latitude row, a column of one longitude
             i_lat, i_lon = self.domain_coords
             self._private["band"] = self._private["domain"].Split(i_lat, i_lon)
             self._private["column"] = self._private["domain"].Split(i_lon, i_lat)
@@ -187,8 +190,8 @@ class DomainParallelManager:
         for key, axis, label in (("domain", "domain", "domain"), ("tp", "tp", "tensor-parallel"),
                                  ("data", "dp", "data-parallel")):
             self._private[key].Set_name(f"{label} group {self.mesh.group_index(axis)} "
-                                        f"(ranks {_ranges(list(self.mesh.group_ranks(axis)))})")
-        if len(self.domain_shape) == 2:
+                                        f"(ranks {rank_ranges(list(self.mesh.group_ranks(axis)))})")
+        if self.tiled:
             domain = self._private["domain"].Get_name()
             self._private["band"].Set_name(f"tile row {i_lat} of {domain}")
             self._private["column"].Set_name(f"tile column {i_lon} of {domain}")
@@ -268,10 +271,18 @@ class DomainParallelManager:
         the ranks of the same longitude column in the tile rows above and below.
         ``None`` stands for a missing neighbour at the edges of the domain group.
         """
-        step = self.domain_shape[-1] if len(self.domain_shape) == 2 else 1
+        step = self.domain_shape[-1] if self.tiled else 1
         return self.mesh.neighbor("domain", -step), self.mesh.neighbor("domain", step)
 
     # -- 2-D decomposition -------------------------------------------------
+    @property
+    def tiled(self):
+        """True for tiles (``domain_shape`` is ``(D_lat, D_lon)``: a 2-D decomposition), False for slabs.
+
+        The one test of tiles or slabs: every module asks it here. Read-only.
+        """
+        return len(self.domain_shape) == 2
+
     @property
     def domain_coords(self):
         """This rank's place in its domain group: ``(i_lat, i_lon)`` in 2-D, ``(domain_rank,)`` in 1-D.
@@ -282,7 +293,7 @@ class DomainParallelManager:
 
     def domain_coords_of(self, domain_rank):
         """Return the tile coordinates of ``domain_rank`` (see :attr:`domain_coords`). Local."""
-        if len(self.domain_shape) == 1:
+        if not self.tiled:
             return (int(domain_rank),)
         return divmod(int(domain_rank), self.domain_shape[1])
 
@@ -489,7 +500,7 @@ class DomainParallelManager:
         """The constructor call, alike on every rank."""
         return (
             f"DomainParallelManager(world_size={self.world_size}, "
-            f"domain_parallel_size={self.domain_parallel_size if len(self.domain_shape) == 1 else self.domain_shape}, "
+            f"domain_parallel_size={self.domain_shape if self.tiled else self.domain_parallel_size}, "
             f"shard_dim={self.shard_dim}"
             f"{f', tensor_parallel_size={self.tensor_parallel_size}' if self.tensor_parallel_size > 1 else ''})"
         )

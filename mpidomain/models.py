@@ -14,10 +14,10 @@ import types
 import torch
 import torch.nn.functional as F
 
-from .nn import DomainParallelPeriodicConv2d, convert_to_domain_parallel
+from .nn import Decision, DomainParallelPeriodicConv2d, Rule, convert_to_domain_parallel
 
-__all__ = ["PeriodicConv", "UNet", "FieldCrossFormer", "convert_model", "custom_converters", "credit_crossformer",
-           "credit_missing"]
+__all__ = ["PeriodicConv", "UNet", "FieldCrossFormer", "RULES", "convert_model", "custom_converters",
+           "credit_crossformer", "credit_missing"]
 
 
 class PeriodicConv(torch.nn.Module):
@@ -72,8 +72,17 @@ def _periodic_conv(module, shard_dim, manager):
     return DomainParallelPeriodicConv2d(conv, shard_dim, manager)
 
 
+#: The converter rules :func:`convert_model` adds: :class:`PeriodicConv` becomes a ``DomainParallelPeriodicConv2d``.
+RULES = (
+    Rule("PeriodicConv", PeriodicConv,
+         lambda module, context: Decision.convert(_periodic_conv(module, context.shard_dim, context.manager),
+                                                  "mpidomain.models.RULES"),
+         outcomes=(("convert", "", "`DomainParallelPeriodicConv2d`: the longitude wrap through the halos"),)),
+)
+
+
 def custom_converters(shard_dim=-2, manager=None):
-    """Return the ``custom_converters`` :func:`convert_model` passes: the rule for :class:`PeriodicConv`.
+    """Return :data:`RULES` as ``custom_converters`` (``{type: factory}``) for ``shard_dim`` and ``manager``.
 
     For :func:`mpidomain.nn.estimate_memory` before launch (no manager yet): ``shard_dim`` -2 for
     latitude slabs, ``(-2, -1)`` for tiles. Local.
@@ -84,11 +93,10 @@ def custom_converters(shard_dim=-2, manager=None):
 def convert_model(model, manager):
     """Return ``model`` (a :class:`UNet`, a :class:`FieldCrossFormer` or any convertible model) domain-parallel.
 
-    Converts in place, as :func:`mpidomain.nn.convert_to_domain_parallel` does, with the rule for
-    :class:`PeriodicConv`. Local: every rank converts its own copy alike; the state dict keys do not change.
+    Converts in place, as :func:`mpidomain.nn.convert_to_domain_parallel` does, with :data:`RULES` (the rule
+    for :class:`PeriodicConv`). Local: every rank converts its own copy alike; the state dict keys do not change.
     """
-    return convert_to_domain_parallel(model, manager=manager,
-                                      custom_converters=custom_converters(manager.shard_dim, manager))
+    return convert_to_domain_parallel(model, manager=manager, rules=RULES)
 
 
 def _post_block_placeholder(error):

@@ -23,8 +23,10 @@ import math
 
 import numpy as np
 
-from . import devices, transport
-from ._mpi import agree, digest, mpi
+from . import comm_stats, devices, transport
+from ._agreement import agree
+from ._errors import digest
+from ._mpi import mpi
 from ._validate import normalize_dim, require_manager
 from .manager import library_comm
 from .redistribution_layout import RowMove
@@ -34,10 +36,8 @@ __all__ = ["redistribute"]
 
 def _sharded(manager, ndim):
     """The manager's sharded dims of an ``ndim``-d array (normalised), with their group names."""
-    if len(manager.domain_shape) == 1:
-        names = ("domain",)
-    else:
-        names = ("column", "band")  # latitude moves within a column of tiles, longitude within a band
+    # Tiles: latitude moves within a column of tiles, longitude within a band.
+    names = ("column", "band") if manager.tiled else ("domain",)
     return {d % ndim: name for d, name in zip(manager.shard_dims, names) if -ndim <= d < ndim}
 
 
@@ -173,8 +173,13 @@ def _move(comm, x, move, dim):
             source = way.readable(send) if send.shape[0] else np.empty(0, np.uint8)
             with way.writable(received) as memory:
                 target = memory if received.shape[0] else np.empty(0, np.uint8)
+                if comm_stats.recorder is not None:
+                    comm_stats.sent("alltoall", (send.shape[0] - send_counts[comm.Get_rank()]) * row_bytes)
+                began = comm_stats.clock() if comm_stats.timer is not None else None
                 comm.Alltoallv([source, (list(send_counts), send_displs), row],
                                [target, (list(recv_counts), recv_displs), row])
+                if began is not None:
+                    comm_stats.waited(comm_stats.clock() - began)
         finally:
             row.Free()
     return _put_back(_take(received, reorder, 0), dim)

@@ -12,7 +12,7 @@ window attention of CREDIT's CrossFormer expects:
 
 - ``"short"`` (:func:`short_window_layout`): windows of ``window`` neighbouring
   rows; each rank takes a block of whole windows, dealt out as evenly as
-  :func:`~mpidomain.sharding.balanced_split` deals rows;
+  :func:`~mpidomain.tile_layout.balanced_split` deals rows;
 - ``"long"`` (:func:`long_window_layout`): with ``G = extent // window``
   groups, group ``h`` is the rows ``h, h + G, h + 2G, ...`` (spaced ``G``
   apart across the whole field); each rank takes a run of whole groups, dealt
@@ -30,6 +30,7 @@ import itertools
 from dataclasses import dataclass
 
 from ._validate import require_int
+from .tile_layout import balanced_split
 
 __all__ = ["Layout", "RowMove", "contiguous_layout", "short_window_layout", "long_window_layout", "window_move",
            "WINDOW_KINDS"]
@@ -146,13 +147,6 @@ def _windows(extent, window, what):
     return extent // window
 
 
-def _deal(count, parts):
-    """``count`` items over ``parts`` ranks as balanced_split deals rows: (counts, offsets)."""
-    base, extra = divmod(count, parts)
-    counts = tuple(base + (rank < extra) for rank in range(parts))
-    return counts, tuple(itertools.accumulate((0,) + counts[:-1]))
-
-
 def short_window_layout(extent, window, parts):
     """Return the :class:`Layout` of ``parts`` ranks each holding a block of whole ``window``-row windows.
 
@@ -160,7 +154,7 @@ def short_window_layout(extent, window, parts):
     the order is the identity. ValueError if ``window`` does not divide ``extent``.
     """
     parts = require_int("parts", parts, least=1)
-    counts, _ = _deal(_windows(extent, window, "short-range window"), parts)
+    counts, _ = balanced_split(_windows(extent, window, "short-range window"), parts)
     return Layout(tuple(range(extent)), tuple(n * window for n in counts))
 
 
@@ -174,7 +168,7 @@ def long_window_layout(extent, window, parts):
     """
     parts = require_int("parts", parts, least=1)
     groups = _windows(extent, window, "long-range (global) window")
-    counts, offsets = _deal(groups, parts)
+    counts, offsets = balanced_split(groups, parts)
     order = []
     for count, first in zip(counts, offsets):
         order += [l1 * groups + h for l1 in range(window) for h in range(first, first + count)]

@@ -8,8 +8,10 @@ Torch the reduction is differentiable.
 
 import numpy as np
 
-from . import devices, transport
-from ._mpi import agree, mpi, wait_collective
+from . import comm_stats, devices, transport
+from ._agreement import agree
+from ._mpi import mpi
+from ._waits import wait_collective
 from ._current import require_manager
 
 __all__ = ["allreduce", "group_communicator"]
@@ -71,6 +73,8 @@ def reduce_array(x, op, comm):
     way = transport.transport_for(work)
     source = way.readable(work)  # alive until the reduction completes
     with way.writable(out) as result:
+        if comm_stats.recorder is not None and comm.Get_size() > 1:
+            comm_stats.sent("allreduce", out.nbytes)
         request = comm.Iallreduce([source, datatype], [result, datatype], op=operation)
         wait_collective(request, comm, "allreduce", out.nbytes)
     if op == "mean":

@@ -21,28 +21,18 @@ import math
 import numpy as np
 
 from . import devices, transport
-from ._mpi import agree, mpi, wait_all
+from ._agreement import agree
+from ._mpi import mpi
+from ._waits import wait_all
 from ._validate import normalize_dim, require_int, require_manager
 from ._current import closed_error, current_manager
 from .manager import library_comm
+from .tile_layout import balanced_split  # public here too: mpidomain.sharding.balanced_split
 
 __all__ = ["balanced_split", "shard_tensor", "shard_batch", "gather_tensor", "scatter_tensor"]
 
 # Tag of scatter_tensor's point-to-point messages on the (private) domain communicator.
 _SCATTER_TAG = 23719
-
-
-def balanced_split(extent, parts):
-    """Return ``(counts, offsets)``: ``extent`` rows split over ``parts`` ranks as evenly as possible.
-
-    The first ``extent % parts`` ranks get one row more; 721 rows over 4
-    ranks give counts ``(181, 180, 180, 180)`` and offsets ``(0, 181, 361, 541)``.
-    """
-    extent, parts = require_int("extent", extent, least=0), require_int("parts", parts, least=1)
-    base, extra = divmod(extent, parts)
-    counts = tuple(base + (rank < extra) for rank in range(parts))
-    offsets = tuple(itertools.accumulate((0,) + counts[:-1]))
-    return counts, offsets
 
 
 def _active_manager(manager, what=None):
@@ -85,7 +75,7 @@ def _dims_for(manager, dim, what):
     """
     if dim is None:
         return manager.shard_dim
-    tiles = len(manager.domain_shape) == 2
+    tiles = manager.tiled
     if isinstance(dim, (tuple, list)) != tiles or (tiles and len(dim) != 2):
         layout = f"{manager.domain_shape[0]} x {manager.domain_shape[1]} tiles" if tiles else "latitude slabs"
         expected = "a pair of dims (latitude, longitude), e.g. (-2, -1)" if tiles else "one dim, e.g. -2"
@@ -111,7 +101,7 @@ def _tile_slices(manager, shape, dims, allow_uneven):
     dims = tuple(normalize_dim(d, shape) for d in (dims if isinstance(dims, tuple) else (dims,)))
     if len(set(dims)) != len(dims):
         raise ValueError(f"dim={dims} names a dim twice; pass latitude then longitude, e.g. (-2, -1)")
-    tiles = len(manager.domain_shape) == 2
+    tiles = manager.tiled
     parts_of = manager.domain_shape if tiles else (manager.domain_parallel_size,)
     coords = manager.domain_coords if tiles else (manager.domain_rank,)
     cuts = []
@@ -283,7 +273,7 @@ def _tiles_mismatch(reports, dim_arg, manager):
     manager's grid share their extent (slabs: one rank per coordinate, any
     extents); all else is alike on every rank.
     """
-    slabs = len(manager.domain_shape) == 1
+    slabs = not manager.tiled
     listing = ", ".join(f"rank {r}: shape {s} {t.dtype} {'dim' if slabs else 'dims'} {d[0] if slabs else d}"
                         for r, (s, t, d, _) in enumerate(reports))
     shapes = [report[0] for report in reports]

@@ -22,6 +22,9 @@ the :class:`Message` s :class:`mpidomain.HaloPlan` moves, the ghost blocks of
 zeros and the local copies; tests/test_tile_layout.py (grids, the Earth) and
 tests/test_halo_layout.py (slabs of every group size) check it against padded
 global fields in one process.
+
+How a sharded dim is cut into tiles in the first place is :func:`balanced_split`
+here too: the one split every module uses (shards, windows, writes, estimates).
 """
 
 import bisect
@@ -30,9 +33,25 @@ import itertools
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
-__all__ = ["Message", "Piece", "TileLayout", "MODES"]
+from ._validate import require_int
+
+__all__ = ["Message", "Piece", "TileLayout", "MODES", "balanced_split"]
 
 MODES = ("zeros", "periodic", "fold")
+
+
+def balanced_split(extent, parts):
+    """Return ``(counts, offsets)``: ``extent`` rows split over ``parts`` ranks as evenly as possible.
+
+    The first ``extent % parts`` ranks get one row more; 721 rows over 4
+    ranks give counts ``(181, 180, 180, 180)`` and offsets ``(0, 181, 361, 541)``.
+    Local, pure.
+    """
+    extent, parts = require_int("extent", extent, least=0), require_int("parts", parts, least=1)
+    base, extra = divmod(extent, parts)
+    counts = tuple(base + (rank < extra) for rank in range(parts))
+    offsets = tuple(itertools.accumulate((0,) + counts[:-1]))
+    return counts, offsets
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,9 @@ import os
 import socket
 import sys
 
-from ._mpi import check_same, error_report, fence, mpi, raise_on_all_ranks, raise_reported
+from ._errors import check_same, error_report, fence, raise_on_all_ranks, raise_reported
+from ._mpi import mpi
+from .binding import node_of
 
 __all__ = [
     "init_torch_distributed",
@@ -127,12 +129,16 @@ def _timedelta(timeout):
 
 
 def _local_layout(comm):
-    """Return (local_rank, local_size) among the ranks of ``comm`` on this node."""
-    MPI = mpi()
-    node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
-    layout = node.Get_rank(), node.Get_size()
-    node.Free()
-    return layout
+    """Return (local_rank, local_size) among the ranks of ``comm`` on this node; collective over ``comm``.
+
+    The node is :func:`mpidomain.binding.node_of`'s, the one node rule: LOCAL_RANK here is the
+    manager's ``local_rank``, the rank ``bind_device`` binds by.
+    """
+    node, _, _ = node_of(comm)
+    try:
+        return node.Get_rank(), node.Get_size()
+    finally:
+        node.Free()
 
 
 def _bound_device(torch, local_rank):

@@ -103,12 +103,11 @@ class Variant:
 
     def __init__(self, name, manager, x, window, halo, earth):
         self.name, self.manager, self.window, self.earth = name, manager, window, earth
-        self.grid = "x".join(map(str, manager.domain_shape if len(manager.domain_shape) == 2
-                                   else (manager.domain_parallel_size, 1)))
+        self.grid = "x".join(map(str, manager.domain_shape if manager.tiled else (manager.domain_parallel_size, 1)))
         h, w = halo
         if earth:
             plans = [mpidomain.HaloPlan(x, (h, w), boundary="earth", manager=manager)]
-        elif len(manager.domain_shape) == 2:
+        elif manager.tiled:
             plans = [mpidomain.HaloPlan(x, (h, w), dim=(-2, -1), periodic=(False, True), manager=manager)]
         else:  # slabs: local periodic longitude pad of the local rows, then latitude rows, corners included
             wide = np.empty(x.shape[:-1] + (x.shape[-1] + 2 * w,), x.dtype)
@@ -149,7 +148,7 @@ class Variant:
 
 def windows(manager, shape):
     """This rank's ((lat0, n), (lon0, m)) of ``shape``'s global field under ``manager``'s split."""
-    tiles = len(manager.domain_shape) == 2
+    tiles = manager.tiled
     parts = manager.domain_shape if tiles else (manager.domain_parallel_size, 1)
     coords = manager.domain_coords if tiles else (manager.domain_rank, 0)
     found = []

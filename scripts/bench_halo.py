@@ -58,7 +58,7 @@ from mpi4py import MPI
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import mpidomain  # noqa: E402
-from mpidomain._mpi import agree, agreement_code  # noqa: E402
+from mpidomain._agreement import agree, agreement_code  # noqa: E402
 
 WORLD = MPI.COMM_WORLD
 

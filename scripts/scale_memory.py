@@ -219,7 +219,7 @@ def main():
     worst_rss = max(row[3] for row in everyone)
     rss_ratio, saved_ratio = ((f" ({worst_rss / one['rss']:.3f})", f" ({worst[1] / one['saved']:.3f})") if one
                               else ("", ""))
-    # A row of the README table: the largest rank's numbers, ratios to one process in parentheses.
+    # A row of the table in docs/forecast.md: the largest rank's numbers, ratios to one process in parentheses.
     print(f"| {args.model} | {args.grid} | {layout} | {'tiles' if args.tiles else 'slabs'} | "
           f"{worst_rss / 2**20:.0f}{rss_ratio} | {worst[1] / 2**20:.1f}{saved_ratio} | {worst[2] / 2**20:.1f} | "
           f"{estimate.bytes_per_rank / 2**20:.1f} | {estimate.bytes_per_rank / worst[1] - 1:+.2%} |")

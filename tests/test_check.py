@@ -138,6 +138,6 @@ def test_check_reports_each_ranks_gpu_and_sharing(world, capsys, fresh_manager, 
         assert len(re.findall(r"^  rank \d+ \(.*\): cuda:0 \(GPU-01234567\)", out, re.M)) == world.size, out
         verdict = out.strip().splitlines()[-1]
         assert verdict.startswith("check passed:")
-        from mpidomain._mpi import _ranges
+        from mpidomain._errors import rank_ranges
 
-        assert (f"(warning: ranks {_ranges(sharing) if sharing else ''} share a GPU)" in verdict) == bool(sharing), verdict
+        assert (f"(warning: ranks {rank_ranges(sharing) if sharing else ''} share a GPU)" in verdict) == bool(sharing), verdict

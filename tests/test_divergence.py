@@ -31,8 +31,9 @@ from mpi4py import MPI
 import mpidomain
 from mpidomain import DomainParallelManager, HaloPlan, allreduce, gather_tensor, halo_exchange
 from mpitest import run_mpi
+from reference import pad_along
 
-CACHE_SIZE = 16  # plans halo_exchange keeps per manager (README)
+CACHE_SIZE = 16  # plans halo_exchange keeps per manager (docs/halo.md)
 NUMPY_DTYPES = ("float32", "float64", "int32", "complex64")
 TORCH_DTYPES = NUMPY_DTYPES + ("bfloat16", "float16")
 FLOATS = ("float32", "float64", "bfloat16", "float16")
@@ -59,13 +60,6 @@ def _torch():
 def take(a, axis, start, stop):
     """Rows ``start:stop`` of ``a`` along ``axis``."""
     return a[(slice(None),) * axis + (slice(start, stop),)]
-
-
-def pad(a, h, axis, periodic):
-    """``a`` padded with ``h`` rows on both sides along ``axis``: wrapped, or zeros."""
-    widths = [(0, 0)] * a.ndim
-    widths[axis] = (h, h)
-    return np.pad(a, widths, mode="wrap" if periodic else "constant")
 
 
 def random_values(rng, shape, dtype):
@@ -187,7 +181,7 @@ class Layout:
         self.dtype = str(rng.choice(TORCH_DTYPES if self.kind == "torch" else NUMPY_DTYPES))
         self.ndim = int(rng.integers(2, 5))
         self.h = int(rng.integers(0, 4))
-        if big:  # halos of BIG_ROW bytes a row: large enough to arrive in place (README)
+        if big:  # halos of BIG_ROW bytes a row: large enough to arrive in place (docs/halo.md)
             self.dtype, self.ndim, self.h = str(rng.choice(["float64", "complex64"])), 2, int(rng.integers(1, 4))
         self.axis = manager.shard_dim % self.ndim  # the dim the manager shards
         self.shape = [int(n) for n in rng.integers(1, 5, self.ndim)]  # extents, but along axis
@@ -346,12 +340,12 @@ class Sequence:
         call = Call(op=step.op, x=x, h=layout.h, periodic=layout.periodic, manager=manager, axis=axis,
                     dim=self.spell(axis, layout.ndim, manager), variant=step.variant, step=step, out=None)
         h, periodic = layout.h, layout.periodic
-        padded_group = pad(stored(group, layout.dtype), h, axis, periodic)
+        padded_group = pad_along(stored(group, layout.dtype), axis, h, periodic)
         expected = {"padded": take(padded_group, axis, offset, offset + n + 2 * h)}
         if step.op == "unsharded":
             call.axis = step.unsharded
             call.dim = self.spell(step.unsharded, layout.ndim, manager)
-            expected["padded"] = pad(stored(shard, layout.dtype), h, step.unsharded, periodic)
+            expected["padded"] = pad_along(stored(shard, layout.dtype), step.unsharded, h, periodic)
         if step.op in ("exchange", "unsharded") and self.mine.random() < 0.4:  # out= on some ranks only
             call.out = empty_result(expected["padded"].shape, layout.kind, layout.dtype)
             expected["out"] = expected["padded"]
@@ -375,7 +369,7 @@ class Sequence:
                                       [step.weights[q] for q in members], axis)
                 expected["grad"] = take(grad, axis, offset, offset + n)
             else:
-                expected["padded"] = pad(stored(shard, layout.dtype), h, gaxis, periodic)
+                expected["padded"] = pad_along(stored(shard, layout.dtype), gaxis, h, periodic)
                 expected["grad"] = padded_adjoint([layout.shape[gaxis]], h, periodic, [step.weights[self.rank]], gaxis)
         elif step.op == "reuse":
             call = None
@@ -545,7 +539,7 @@ def test_unsharded_dim_of_uneven_shards_pads_locally(world, managers):
     x = np.arange(4.0 * (5 + manager.domain_rank)).reshape(5 + manager.domain_rank, 4)
     try:
         padded = halo_exchange(x, 1, dim=-1, periodic=True)
-        wrong = None if np.array_equal(padded, pad(x, 1, 1, True)) else "wrong values"
+        wrong = None if np.array_equal(padded, pad_along(x, 1, 1, True)) else "wrong values"
     except ValueError as exc:
         wrong = f"ValueError: {exc}"
     assert wrong is None, wrong

@@ -15,46 +15,30 @@ from mpi4py import MPI
 import mpidomain
 from mpidomain import DomainParallelManager, HaloPlan, halo, halo_call, halo_exchange, plan_cache
 from mpitest import divisors
+from reference import bounds as shard_bounds
+from reference import padded_rows
+
+import reference
 
 # (shape with N marking the sharded extent, dim)
 LAYOUTS = {"4d-dim-2": ((2, 3, "N", 5), -2), "4d-dim-1": ((2, 3, 4, "N"), -1), "5d-dim3": ((2, 1, 3, "N", 4), 3)}
 
 
-def shard_bounds(extent, d, rank):
-    """Start and length of domain rank ``rank``'s rows: the first ``extent % d`` ranks get one more."""
-    sizes = [extent // d + (r < extent % d) for r in range(d)]
-    return sum(sizes[:rank]), sizes[rank]
-
-
 def global_field(template, extent, seed, dtype=np.float32):
+    """The global field of ``template`` with ``extent`` rows where it says ``"N"``."""
     shape = tuple(extent if s == "N" else s for s in template)
-    values = np.random.default_rng(seed).standard_normal(shape)
-    return values.astype(dtype) if np.dtype(dtype).kind in "fc" else (values * 100).astype(dtype)
-
-
-def reference(field, dim, h, periodic, start, n):
-    """Rows ``start - h`` to ``start + n + h`` of the field padded globally with zeros or wrapped rows."""
-    dim = dim % field.ndim
-    extent = field.shape[dim]
-    if periodic:
-        before = np.take(field, range(extent - h, extent), axis=dim)
-        after = np.take(field, range(h), axis=dim)
-    else:
-        edge_shape = field.shape[:dim] + (h,) + field.shape[dim + 1:]
-        before = after = np.zeros(edge_shape, field.dtype)
-    padded = np.concatenate([before, field, after], axis=dim)
-    return np.take(padded, range(start, start + n + 2 * h), axis=dim)
+    return reference.global_field(shape, seed, dtype, int_scale=100)
 
 
 def local_case(manager, template, dim, h, periodic, uneven, dtype=np.float32):
     """Return (shard, expected padded shard) for this rank."""
     d = manager.domain_parallel_size
     extent = 3 * d + (d - 1 if uneven else 0) + (1 if uneven and d == 1 else 0)
-    field = global_field(template, extent, seed=1000 + manager._domain_group_idx, dtype=dtype)
+    field = global_field(template, extent, seed=1000 + manager.mesh.group_index("domain"), dtype=dtype)
     axis = dim % field.ndim
     start, n = shard_bounds(extent, d, manager.domain_rank)
     shard = np.take(field, range(start, start + n), axis=axis)
-    return shard, reference(field, dim, h, periodic, start, n)
+    return shard, padded_rows(field, dim, h, periodic, start, n)
 
 
 def as_kind(array, kind):
@@ -136,7 +120,7 @@ def test_uneven_era5_latitudes(world):
             assert n == (181 if manager.domain_rank == 0 else 180)
         for periodic in (False, True):
             out = halo_exchange(field[:, :, start:start + n], 2, periodic=periodic, manager=manager)
-            assert np.array_equal(out, reference(field, -2, 2, periodic, start, n))
+            assert np.array_equal(out, padded_rows(field, -2, 2, periodic, start, n))
 
 
 def test_device_transports_on_host(world, fake_device_path):
@@ -254,7 +238,7 @@ def test_ten_thousand_exchanges_leak_nothing(world, monkeypatch):
         # per-call agreement step leaves a few KiB of allocator noise that does not grow.
         assert after - before < 48 * 1024, f"Python allocations grew by {after - before} bytes"
         assert rss_after - rss_before < 4 * 1024 * 1024, f"RSS grew by {rss_after - rss_before} bytes"
-        expected = reference(x, 1, 1, True, 0, 4) if world.size == 1 else None
+        expected = padded_rows(x, 1, 1, True, 0, 4) if world.size == 1 else None
         if expected is not None:
             assert np.array_equal(padded, expected)
         cached = plan_cache.cached_plans(manager)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import mpidomain
-from mpidomain import _mpi, gather_tensor, halo, halo_call, halo_exchange
+from mpidomain import _agreement, _mpi, gather_tensor, halo, halo_call, halo_exchange
 
 
 @pytest.fixture(autouse=True, params=["buffer receives", "datatype receives"])
@@ -49,13 +49,13 @@ def manager(world, fresh_manager):
 def settled(monkeypatch):
     """Count the times this rank settled messages started ahead of a failed agreement."""
     calls = []
-    original = _mpi._settle_ahead
+    original = _agreement._settle_ahead
 
     def counting(*arguments):
         calls.append(arguments[2])
         return original(*arguments)
 
-    monkeypatch.setattr(_mpi, "_settle_ahead", counting)
+    monkeypatch.setattr(_agreement, "_settle_ahead", counting)
     return calls
 
 

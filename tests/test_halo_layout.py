@@ -13,6 +13,7 @@ import pytest
 
 from mpidomain.sharding import balanced_split
 from mpidomain.tile_layout import TileLayout
+from reference import pad_along
 
 
 def slab(shape, dim, h, periodic, counts, rank, tag=0):
@@ -62,9 +63,7 @@ def simulate(global_shape, dim, h, periodic, size, extra=None):
         padded.append(array)
     assert len({layout.tags for layout in layouts}) == 1, "ranks disagree on how many tags"
     deliver(layouts, padded)
-    widths = [(0, 0)] * len(global_shape)
-    widths[dim] = (h, h)
-    whole = np.pad(field, widths, mode="wrap" if periodic else "constant")
+    whole = pad_along(field, dim, h, periodic)
     references = [np.take(whole, range(offsets[r], offsets[r] + counts[r] + 2 * h), axis=dim) for r in range(size)]
     return padded, references
 
@@ -94,7 +93,7 @@ def test_a_dim_the_group_does_not_shard_pads_locally(periodic):
         array[layout.interior] = mine
         layouts.append(layout)
         padded.append(array)
-        references.append(np.pad(mine, [(0, 0), (2, 2)], mode="wrap" if periodic else "constant"))
+        references.append(pad_along(mine, 1, 2, periodic))
     deliver(layouts, padded)
     assert all(np.array_equal(got, want) for got, want in zip(padded, references))
 

@@ -7,7 +7,9 @@ from mpi4py import MPI
 
 from mpidomain import DomainParallelManager
 from mpitest import divisors
-from test_halo import all_cases, global_field, reference, shard_bounds
+from reference import bounds as shard_bounds
+from reference import padded_rows
+from test_halo import all_cases, global_field
 
 torch = pytest.importorskip("torch")
 from mpidomain.nn import HaloExchange  # noqa: E402  (needs torch)
@@ -61,13 +63,13 @@ def check_against_the_global_adjoint(world):
     for d, h, periodic, uneven in all_cases(world):
         with DomainParallelManager(world.size, d) as manager:
             extent = 3 * d + (d - 1 if uneven else 0)
-            field = torch.from_numpy(global_field((2, 2, "N", 3), extent, seed=7 + manager._domain_group_idx, dtype=np.float64))
+            field = torch.from_numpy(global_field((2, 2, "N", 3), extent, seed=7 + manager.mesh.group_index("domain"), dtype=np.float64))
             x, start, n = shard(field, manager, -2)
             x = x.clone().requires_grad_(True)
             out = HaloExchange(h, dim=-2, periodic=periodic, manager=manager)(x)
-            assert torch.equal(out.detach(), torch.from_numpy(reference(field.numpy(), -2, h, periodic, start, n)))
+            assert torch.equal(out.detach(), torch.from_numpy(padded_rows(field.numpy(), -2, h, periodic, start, n)))
             # Every rank's output gradient, known globally: the same seeds on every rank.
-            grads = [torch.from_numpy(np.random.default_rng(100 * manager._domain_group_idx + r).standard_normal(
+            grads = [torch.from_numpy(np.random.default_rng(100 * manager.mesh.group_index("domain") + r).standard_normal(
                 (2, 2, shard_bounds(extent, d, r)[1] + 2 * h, 3))) for r in range(d)]
             out.backward(grads[manager.domain_rank])
             # Global adjoint: pad the whole field with autograd and slice every rank's window.
@@ -95,7 +97,7 @@ def test_gradcheck_across_ranks(world, periodic):
                 local, _, _ = shard(_Replicate.apply(field, comm), manager, 2)
                 return _AllGather.apply(exchange(local), comm, 2)
 
-            field = torch.from_numpy(global_field((1, 2, "N", 2), extent, seed=3 + manager._domain_group_idx,
+            field = torch.from_numpy(global_field((1, 2, "N", 2), extent, seed=3 + manager.mesh.group_index("domain"),
                                                   dtype=np.float64)).requires_grad_(True)
             assert torch.autograd.gradcheck(domain_parallel, (field,), eps=1e-6, atol=1e-9)
 
@@ -113,7 +115,7 @@ def test_sharded_convolution_equals_the_global_one(world):
     d = world.size
     with DomainParallelManager(world.size, d) as manager:
         extent = 4 * d + d // 2
-        field = torch.from_numpy(global_field((2, 3, "N", 6), extent, seed=11 + manager._domain_group_idx, dtype=np.float64))
+        field = torch.from_numpy(global_field((2, 3, "N", 6), extent, seed=11 + manager.mesh.group_index("domain"), dtype=np.float64))
         weight = torch.from_numpy(np.random.default_rng(5).standard_normal((4, 3, 3, 3))).requires_grad_(True)
         x, start, n = shard(field, manager, -2)
         x = x.clone().requires_grad_(True)

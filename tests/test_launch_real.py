@@ -143,7 +143,7 @@ def test_srun_pmi2_starting_open_mpi_python_is_caught(world):
 @pytest.mark.mpi_job
 def test_open_mpi_mpirun_starting_mpich_python_fails_at_start(world):
     # The reverse mismatch never reaches mpidomain: MPICH finds Open MPI's PMIx server and
-    # aborts inside MPI_Init. The README quotes this message; keep it true.
+    # aborts inside MPI_Init. docs/clusters.md quotes this message; keep it true.
     if not MPICH_HERE:
         pytest.skip("needs this suite's mpi4py on MPICH")
     if world.rank == 0:

@@ -5,6 +5,7 @@ from mpi4py import MPI
 
 import mpidomain
 from mpidomain import DomainParallelManager, get_domain_parallel_manager, initialize_domain_parallel
+from mpidomain._errors import rank_ranges
 from mpitest import nth_divisor
 
 
@@ -16,7 +17,7 @@ def test_layout_matches_seed(world, d_index):
         assert (m.world_size, m.domain_parallel_size, m.data_parallel_size) == (world.size, d, world.size // d)
         assert m.shard_dim == -2
         assert m.domain_rank == rank % d and m.dp_rank == rank // d
-        assert m._domain_group_idx == rank // d and m._domain_rank == rank % d and m._dp_rank == rank // d
+        assert m.mesh.group_index("domain") == rank // d
         assert m.domain_world_size == d and m.dp_world_size == world.size // d
         assert m.is_first_domain_rank == (rank % d == 0)
         assert m.is_last_domain_rank == (rank % d == d - 1)
@@ -37,7 +38,7 @@ def test_layout_matches_seed(world, d_index):
 def test_private_communicators(world):
     with DomainParallelManager(world.size, 1) as m:
         # Our traffic runs on a duplicate: it can never match the user's messages.
-        assert MPI.Comm.Compare(m._comm, world) == MPI.CONGRUENT
+        assert MPI.Comm.Compare(m.library_comm("world"), world) == MPI.CONGRUENT
         assert m.domain_group.Get_name().startswith("mpidomain.domain")
 
 
@@ -91,6 +92,16 @@ def test_module_manager_reads_the_current_one(world, fresh_manager):
         manager_module._MANAGERS
 
 
+def test_tiled_tells_tiles_from_slabs(world):
+    # The one test of tiles or slabs every module asks; read-only.
+    with DomainParallelManager(world.size, world.size) as slabs, \
+            DomainParallelManager(world.size, (1, world.size), (-2, -1)) as tiles:
+        assert (slabs.tiled, tiles.tiled) == (False, True)
+        assert slabs.domain_coords == (slabs.domain_rank,) and tiles.domain_coords == (0, tiles.domain_rank)
+        with pytest.raises(AttributeError):
+            tiles.tiled = False
+
+
 def test_context_manager_frees(world):
     with DomainParallelManager(world.size, 1) as m:
         pass
@@ -115,7 +126,7 @@ def test_managers_used_in_different_orders_raise_at_once(world):
 
     with DomainParallelManager(world.size, world.size) as a, DomainParallelManager(world.size, world.size) as b:
         assert a.number + 1 == b.number
-        odd, even = mpidomain._mpi._ranges(list(range(1, world.size, 2))), mpidomain._mpi._ranges(list(range(0, world.size, 2)))
+        odd, even = rank_ranges(list(range(1, world.size, 2))), rank_ranges(list(range(0, world.size, 2)))
         described = f"DomainParallelManager\\(world_size={world.size}, domain_parallel_size={world.size}, shard_dim=-2\\)"
         message = (rf"halo_exchange: the ranks of domain group 0 \(ranks 0-{world.size - 1}\) use different managers in "
                    rf"the same mpidomain call \(manager #{a.number} {described} on ranks? {even}, manager #{b.number} "

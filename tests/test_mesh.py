@@ -114,7 +114,7 @@ def test_manager_communicators_follow_the_mesh_for_every_layout(world):
             # Library traffic on each axis travels on private duplicates.
             for name, comm in (("domain", m.domain_comm), ("tp", m.tensor_parallel_comm),
                                ("data", m.data_parallel_comm)):
-                assert MPI.Comm.Compare(m._private[name], comm) == MPI.CONGRUENT
+                assert MPI.Comm.Compare(m.library_comm(name), comm) == MPI.CONGRUENT
             total = mpidomain.allreduce(__import__("numpy").ones(1), "sum", "tensor_parallel", m)
             assert total[0] == t
 

@@ -24,6 +24,7 @@ import mpidomain
 from mpidomain import DomainParallelManager
 from mpidomain.__main__ import main
 from mpitest import REPO, launcher_env
+from reference import padded_rows
 
 WORLD = MPI.COMM_WORLD
 HOSTS = WORLD.allgather(socket.gethostname())
@@ -82,8 +83,7 @@ def test_domain_groups_across_nodes_exchange_halos_and_shards_exactly():
         local = np.ascontiguousarray(full[:, start:start + count])
         for periodic in (False, True):
             padded = mpidomain.halo_exchange(local, 2, periodic=periodic, manager=m)
-            mode = "wrap" if periodic else "constant"
-            expected = np.pad(full, ((0, 0), (2, 2), (0, 0)), mode=mode)[:, start:start + count + 4]
+            expected = padded_rows(full, -2, 2, periodic, start, count)
             assert np.array_equal(padded, expected), periodic
         assert np.array_equal(mpidomain.gather_tensor(local, manager=m), full)
         assert np.array_equal(mpidomain.shard_tensor(full, manager=m, allow_uneven=True), local)
@@ -190,7 +190,7 @@ def _ended_within(job, limit):
 
 
 # PyPI's mpich speaks PMI1 to srun --mpi=pmi2 and its default UCX netmod puts each rank's address in ~1 KB
-# pieces, which Slurm's pmi2 plugin sometimes cannot parse (README, "Several nodes"): libfabric's address is short
+# pieces, which Slurm's pmi2 plugin sometimes cannot parse (docs/clusters.md, "Running on several nodes"): libfabric's address is short
 # (its tcp provider: the default, "sockets", hangs).
 SRUN_ENV = {"MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp"}
 

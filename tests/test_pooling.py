@@ -8,6 +8,7 @@ from mpidomain import DomainParallelManager  # noqa: E402
 from mpidomain.nn import (DomainParallelAdaptiveAvgPool2d, DomainParallelAdaptiveMaxPool2d,  # noqa: E402
                           DomainParallelAvgPool2d, DomainParallelMaxPool2d)
 from mpitest import divisors  # noqa: E402
+from reference import tile_of  # noqa: E402
 from test_layers import compare, counts_for  # noqa: E402
 from test_tiles_nn import compare as compare_tiles  # noqa: E402
 from test_tiles_nn import layouts, one_process, twins  # noqa: E402
@@ -98,8 +99,6 @@ def global_dims(pool):
 
 def compare_tiles_global(manager, single, parallel, shape):
     """Tiles and a pool global along some dim: assemble one copy along it; the loss counted once."""
-    from test_tiles_nn import tile_of
-
     full, full_in, reference, weights = one_process(single, shape)
     local_in = tile_of(full, manager).clone().requires_grad_()
     out = parallel(local_in)

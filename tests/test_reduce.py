@@ -146,7 +146,7 @@ def test_cuda_tensors(world, monkeypatch, cuda_aware):
 
 
 def test_agree(world):
-    from mpidomain._mpi import agree
+    from mpidomain._agreement import agree
 
     assert agree(world, "f", ("sum", (3, 4), "float32"), flag=world.rank == world.size - 1)
     assert not agree(world, "f", ("sum", (3, 4), "float32"))

@@ -18,6 +18,7 @@ import mpidomain.nn
 from mpidomain import (DomainParallelManager, allreduce, gather_tensor, halo, halo_call, halo_exchange, plan_cache,
                        scatter_tensor, sharding)
 from mpitest import run_mpi, share
+from reference import pad_along
 
 torch = pytest.importorskip("torch")
 
@@ -33,13 +34,6 @@ def needs_ranks(world, n=2):
         pytest.skip(f"needs {n} ranks")
 
 
-def padded_reference(field, h, dim, periodic=False):
-    """``field`` padded with ``h`` zero (or wrapped) rows on both sides along ``dim``."""
-    widths = [(0, 0)] * field.ndim
-    widths[dim] = (h, h)
-    return np.pad(field, widths, mode="wrap" if periodic else "constant")
-
-
 def my_rows(counts, rank, h):
     start = sum(counts[:rank])
     return start, slice(start, start + counts[rank] + 2 * h)
@@ -53,13 +47,13 @@ def test_1_uneven_shards_after_even_ones(manager, world):
         start, window = my_rows(counts, world.rank, 1)
         shard = field[:, :, start:start + counts[world.rank]]
         padded = halo_exchange(shard, 1, dim=2)
-        assert np.array_equal(padded, padded_reference(field, 1, 2)[:, :, window])
+        assert np.array_equal(padded, pad_along(field, 2, 1)[:, :, window])
 
 
 def test_2_dim_spellings_share_one_plan(manager, world):
     field = np.random.default_rng(2).standard_normal((2, 3, 4 * world.size, 5))
     shard = sharding.shard_tensor(field, -2, manager)
-    expected = padded_reference(field, 1, 2)[:, :, my_rows([4] * world.size, world.rank, 1)[1]]
+    expected = pad_along(field, 2, 1)[:, :, my_rows([4] * world.size, world.rank, 1)[1]]
     for call in range(3):
         spelling = [None, 2, -2][(world.rank + call) % 3]
         assert np.array_equal(halo_exchange(shard, 1, dim=spelling, manager=manager), expected)
@@ -158,7 +152,7 @@ def test_9_unsharded_dims_pad_locally(manager, world):
     field = np.random.default_rng(9 + world.rank).standard_normal((2, 3, 4, 6))  # each rank its own band
     for periodic in (True, False):
         padded = halo_exchange(field, 2, dim=-1, periodic=periodic)
-        assert np.array_equal(padded, padded_reference(field, 2, 3, periodic))
+        assert np.array_equal(padded, pad_along(field, 3, 2, periodic))
 
 
 def test_10_halo_exchange_keeps_the_graph(manager, world):

@@ -42,6 +42,8 @@ def test_balanced_split():
         balanced_split(5, 0)
     with pytest.raises(TypeError, match=r"extent must be an int, got 7.5 \(float\)"):
         balanced_split(7.5, 2)
+    # One split: the pure layout module's, public from mpidomain and mpidomain.sharding as before.
+    assert balanced_split is mpidomain.sharding.balanced_split is mpidomain.tile_layout.balanced_split
 
 
 def test_no_manager_or_one_rank_returns_x(world, fresh_manager):
@@ -72,7 +74,7 @@ def test_round_trips(world, d_index, kind):
     d = _d(world, d_index)
     with DomainParallelManager(world.size, d) as m:
         for shape, dims in SHAPES:
-            full = _full(shape, seed=m._domain_group_idx, kind=kind)
+            full = _full(shape, seed=m.mesh.group_index("domain"), kind=kind)
             for dim in dims:
                 extent = shape[dim]
                 counts, offsets = balanced_split(extent, d)

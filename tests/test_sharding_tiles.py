@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 
 import mpidomain
-from mpidomain import DomainParallelManager, balanced_split, gather_tensor, scatter_tensor, shard_tensor
+from mpidomain import DomainParallelManager, gather_tensor, scatter_tensor, shard_tensor
+from reference import tile_of
 
 torch = pytest.importorskip("torch")
 
@@ -12,13 +13,6 @@ torch = pytest.importorskip("torch")
 def layouts(size):
     """Every (D_lat, D_lon) of ``size`` ranks."""
     return [(a, size // a) for a in range(1, size + 1) if size % a == 0]
-
-
-def expected_tile(full, manager):
-    """This rank's tile, cut in the test from balanced_split along each dim."""
-    (i, j), (dl, dn) = manager.domain_coords, manager.domain_shape
-    (cl, ol), (cn, on) = balanced_split(full.shape[-2], dl), balanced_split(full.shape[-1], dn)
-    return full[..., ol[i]:ol[i] + cl[i], on[j]:on[j] + cn[j]]
 
 
 def field(kind, shape):
@@ -35,7 +29,7 @@ def test_tiles_round_trip_exactly(world, kind, shape):
     for layout in layouts(world.size):
         with DomainParallelManager(world.size, layout, (-2, -1)) as manager:
             tile = shard_tensor(full, manager=manager, allow_uneven=True)
-            if not np.array_equal(np.asarray(tile), np.asarray(expected_tile(full, manager))):
+            if not np.array_equal(np.asarray(tile), np.asarray(tile_of(full, manager))):
                 problems.append(f"{layout}: shard_tensor tile differs")
             whole = gather_tensor(tile, dim=(-2, -1), manager=manager)
             if type(whole) is not type(full) or not np.array_equal(np.asarray(whole), np.asarray(full)):

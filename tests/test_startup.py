@@ -114,7 +114,7 @@ comm.Barrier()  # rank 0 would wait here forever
 ])
 @pytest.mark.mpi_job
 def test_python_m_mpi4py_ends_exits_the_library_cannot_see(world, tmp_path_factory, mode, message):
-    # The README's errors section: under `python -m mpi4py`, an exception before the manager exists and
+    # docs/manager.md's errors section: under `python -m mpi4py`, an exception before the manager exists and
     # sys.exit(3) on one rank end the job too; after initialisation our hook still prints once and aborts.
     if world.rank == 0:
         script = tmp_path_factory.mktemp("exits") / "train.py"
@@ -180,7 +180,7 @@ def test_a_skipped_last_call_times_out_instead_of_hanging(world, tmp_path_factor
 
 @pytest.mark.parametrize("setting, expected", [("0", None), ("none", None), ("2.5", 2.5), (None, 600.0)])
 def test_timeout_setting(monkeypatch, setting, expected):
-    from mpidomain._mpi import timeout_seconds
+    from mpidomain._waits import timeout_seconds
 
     if setting is None:
         monkeypatch.delenv("MPIDOMAIN_TIMEOUT", raising=False)
@@ -191,7 +191,7 @@ def test_timeout_setting(monkeypatch, setting, expected):
 
 @pytest.mark.parametrize("setting", ["soon", "-1"])
 def test_timeout_setting_mistakes(monkeypatch, setting):
-    from mpidomain._mpi import timeout_seconds
+    from mpidomain._waits import timeout_seconds
 
     monkeypatch.setenv("MPIDOMAIN_TIMEOUT", setting)
     with pytest.raises(ValueError, match=rf"MPIDOMAIN_TIMEOUT must be .*got '{re.escape(setting)}'"):

@@ -14,24 +14,9 @@ import pytest
 
 from mpidomain.sharding import balanced_split
 from mpidomain.tile_layout import TileLayout
+from reference import global_pad
 
 TAG = 40
-
-
-def pad_global(field, dims, widths, modes):
-    """``field`` padded along ``dims`` in order: zeros, wrapped rows, or the pole fold of the next dim's half turn."""
-    for k, (d, h, mode) in enumerate(zip(dims, widths, modes)):
-        spec = [(0, 0)] * field.ndim
-        spec[d] = (h, h)
-        if mode == "fold":
-            turned = np.roll(field, field.shape[dims[k + 1]] // 2, axis=dims[k + 1])
-            n = field.shape[d]
-            top = np.flip(np.take(turned, range(h), axis=d), d)
-            bottom = np.flip(np.take(turned, range(n - h, n), axis=d), d)
-            field = np.concatenate([top, field, bottom], axis=d)
-        else:
-            field = np.pad(field, spec, mode="wrap" if mode == "periodic" else "constant")
-    return field
 
 
 def window(dims, starts, stops):
@@ -48,7 +33,7 @@ def simulate(shape, dims, widths, modes, extents):
     """
     field = np.arange(np.prod(shape), dtype=np.float64).reshape(shape) + 1
     offsets = [list(itertools.accumulate((0,) + sizes)) for sizes in extents]
-    whole = pad_global(field, dims, widths, modes)
+    whole = global_pad(field, dims, widths, modes)
     layouts, padded, references = [], [], []
     for coords in itertools.product(*(range(len(sizes)) for sizes in extents)):
         starts = [offsets[k][c] for k, c in enumerate(coords)]
@@ -121,7 +106,7 @@ def test_global_rows_index_the_global_pad(grid, modes):
         for widths in itertools.product(range(3), repeat=2):
             if any(h > min(sizes) for h, sizes in zip(widths, extents)):
                 continue
-            whole = pad_global(field, dims, widths, modes)
+            whole = global_pad(field, dims, widths, modes)
             for coords in itertools.product(*(range(len(sizes)) for sizes in extents)):
                 tile = tuple(sizes[c] for sizes, c in zip(extents, coords))
                 layout = TileLayout(tile, dims, widths, modes, extents, coords)

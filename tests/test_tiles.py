@@ -15,18 +15,20 @@ import numpy as np
 import pytest
 
 import mpidomain
-from mpidomain import DomainParallelManager, HaloPlan, balanced_split, halo_exchange, plan_cache
+from mpidomain import DomainParallelManager, HaloPlan, halo_exchange, plan_cache
 from mpitest import REPO, divisors, run_mpi
 
+import reference
+from reference import earth_pad, global_field
+
 torch = pytest.importorskip("torch")
-F = torch.nn.functional
 from mpidomain.nn import HaloExchange  # noqa: E402
 
-# name: (halo_exchange's keywords, np.pad's mode along latitude and longitude; None: the earth padding)
+# name: (halo_exchange's keywords, the modes along latitude and longitude; None: CREDIT's earth padding)
 BOUNDARIES = {
-    "zeros": (dict(periodic=False), ("constant", "constant")),
-    "periodic-lon": (dict(periodic=(False, True)), ("constant", "wrap")),
-    "periodic-both": (dict(periodic=True), ("wrap", "wrap")),
+    "zeros": (dict(periodic=False), ("zeros", "zeros")),
+    "periodic-lon": (dict(periodic=(False, True)), ("zeros", "periodic")),
+    "periodic-both": (dict(periodic=True), ("periodic", "periodic")),
     "earth": (dict(boundary="earth"), None),
 }
 # (global shape, (latitude, longitude) halo widths): even and uneven tiles, odd W, one (B, C, T, H, W)
@@ -41,47 +43,17 @@ KINDS = [("numpy", np.float64), ("torch", np.float64), ("numpy", np.int32)]
 TESTS = os.path.join(REPO, "tests")
 
 
-def earth_pad(x, h, w, turn=True):
-    """CREDIT's ``TensorPadding(mode="earth", pad_lat=(h, h), pad_lon=(w, w)).pad(x)``, rewritten with its torch ops.
-
-    ``turn=False`` leaves out the half turn: the deliberately wrong reference of the negative control.
-    """
-    W = x.shape[-1]
-    xroll = torch.roll(x, W // 2, dims=-1) if turn else x
-    top = torch.flip(xroll[..., :h, :], dims=[-2])
-    bottom = torch.flip(xroll[..., -h:, :], dims=[-2])
-    x = torch.cat([top, x, bottom], dim=-2)
-    # CREDIT pads (B, C, H, W) with (w, w, 0, 0); circular padding of a 5-D input takes three dims' pads.
-    return F.pad(x, (w, w) + (0, 0) * (x.ndim - 3), mode="circular")
-
-
 def global_pad(field, halo, boundary, turn=True):
     """The NumPy ``field`` padded in one piece with ``halo`` = (latitude, longitude) widths."""
     modes = BOUNDARIES[boundary][1]
     if modes is None:
         return earth_pad(torch.from_numpy(field), *halo, turn=turn).numpy()
-    for axis, h, mode in zip((field.ndim - 2, field.ndim - 1), halo, modes):
-        spec = [(0, 0)] * field.ndim
-        spec[axis] = (h, h)
-        field = np.pad(field, spec, mode=mode)
-    return field
-
-
-def global_field(shape, dtype=np.float64, seed=0):
-    values = np.random.default_rng(seed).standard_normal(shape)
-    return values.astype(dtype) if np.dtype(dtype).kind == "f" else (values * 1000).astype(dtype)
+    return reference.global_pad(field, (-2, -1), halo, modes)
 
 
 def window(manager, shape, halo):
     """The index of this rank's tile of a global field of ``shape``, widened by ``halo`` (in the padded field)."""
-    coords, grid = manager.domain_coords, manager.domain_shape
-    if len(grid) == 1:  # latitude slabs: all of longitude
-        coords, grid = coords + (0,), grid + (1,)
-    spans = []
-    for extent, parts, c, h in zip(shape[-2:], grid, coords, halo):
-        counts, offsets = balanced_split(extent, parts)
-        spans.append(slice(offsets[c], offsets[c] + counts[c] + 2 * h))
-    return (Ellipsis, *spans)
+    return reference.window(manager, shape, halo, dims=(-2, -1))
 
 
 def tile_of(field, manager, kind="numpy"):
@@ -105,7 +77,7 @@ def forward_problems(manager, boundary):
     problems = []
     for shape, halo in CASES:
         for kind, dtype in KINDS:
-            field = global_field(shape, dtype)
+            field = global_field(shape, dtype=dtype)
             want = global_pad(field, halo, boundary)[window(manager, shape, halo)]
             x = tile_of(field, manager, kind)
             got = halo_exchange(x, halo, **keywords, manager=manager)

@@ -5,6 +5,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from mpidomain import DomainParallelManager, balanced_split  # noqa: E402
+from reference import tile_of  # noqa: E402
 from mpidomain.nn import (DomainParallelConv2d, HaloExchange, DomainParallelConvTranspose2d, DomainParallelInterpolate,  # noqa: E402
                           DomainParallelPeriodicConv2d, allreduce_gradients, convert_to_domain_parallel)
 
@@ -15,13 +16,6 @@ TOLERANCE = 1e-10
 def layouts(size):
     """Every (D_lat, D_lon) of ``size`` ranks."""
     return [(a, size // a) for a in range(1, size + 1) if size % a == 0]
-
-
-def tile_of(full, manager):
-    """This rank's tile of ``full`` (B, C, H, W), cut as balanced_split cuts each dim."""
-    (i, j), (dl, dn) = manager.domain_coords, manager.domain_shape
-    lat, lon = balanced_split(full.shape[-2], dl), balanced_split(full.shape[-1], dn)
-    return full[..., lat[1][i]:lat[1][i] + lat[0][i], lon[1][j]:lon[1][j] + lon[0][j]]
 
 
 def assemble(tile, manager):
@@ -211,10 +205,7 @@ def test_a_layer_that_leaves_a_sharded_dim_out_raises(world):
 
 def padded_tile_of(full, manager, halo):
     """This rank's tile of ``full`` zero-padded by ``halo`` along both dims, with its halos: what an exchange gives."""
-    (i, j), (dl, dn) = manager.domain_coords, manager.domain_shape
-    lat, lon = balanced_split(full.shape[-2], dl), balanced_split(full.shape[-1], dn)
-    padded = torch.nn.functional.pad(full, (halo, halo, halo, halo))
-    return padded[..., lat[1][i]:lat[1][i] + lat[0][i] + 2 * halo, lon[1][j]:lon[1][j] + lon[0][j] + 2 * halo]
+    return tile_of(torch.nn.functional.pad(full, (halo, halo, halo, halo)), manager, halo)
 
 
 def test_halo_exchange_layer_defaults_to_the_managers_dims(world):

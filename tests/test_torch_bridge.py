@@ -15,8 +15,9 @@ import pytest
 from mpi4py import MPI
 
 import mpidomain
-from mpidomain import torch_bridge
+from mpidomain import binding, torch_bridge
 from mpitest import REPO, nth_divisor, run_mpi, run_python
+from reference import tile_of
 
 torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
@@ -102,6 +103,38 @@ def test_bound_device_follows_local_rank(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
     assert torch_bridge._bound_device(torch, 6) == torch.device("cuda", 3) and chosen == [2]
+
+
+class _NoProcessMapping:
+    """``comm``, but its shared-memory split leaves every rank alone, as MPICH's does without a process mapping
+    from the launcher (srun -m arbitrary over pmi2): only the host names join a node's ranks."""
+
+    def __init__(self, comm):
+        self._comm = comm
+
+    def __getattr__(self, name):
+        return getattr(self._comm, name)
+
+    def Split_type(self, split_type, key=0, info=None):
+        return MPI.COMM_SELF.Dup()
+
+
+@pytest.mark.parametrize("mapped", [True, False], ids=["shared-memory", "host-names"])
+def test_local_rank_follows_the_one_node_rule(world, mapped):
+    # LOCAL_RANK and LOCAL_WORLD_SIZE (init_torch_distributed) are binding.node_of's node, as the
+    # manager's local_rank and local_size (bind_device binds by them) are: they cannot disagree.
+    comm = world if mapped else _NoProcessMapping(world)
+    node, _, _ = binding.node_of(comm)
+    expected = node.Get_rank(), node.Get_size()
+    node.Free()
+    assert torch_bridge._local_layout(comm) == expected
+    if mapped:
+        with mpidomain.DomainParallelManager(world.size, 1, abort_on_error=False) as manager:
+            assert (manager.local_rank, manager.local_size) == expected
+    else:  # every rank alone in shared memory: the host name makes the node
+        host = MPI.Get_processor_name()
+        on_my_host = [r for r, h in enumerate(world.allgather(host)) if h == host]
+        assert expected == (on_my_host.index(world.rank), len(on_my_host))
 
 
 # -- the default group -------------------------------------------------------
@@ -190,11 +223,6 @@ class P2PHaloExchange(torch.autograd.Function):
         return core, None, None
 
 
-def shard(field, manager):
-    rows = field.shape[-2] // manager.domain_parallel_size
-    return field[..., manager.domain_rank * rows:(manager.domain_rank + 1) * rows, :]
-
-
 def global_field(shape, seed, dtype=torch.float64):
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=dtype)
 
@@ -208,21 +236,21 @@ def bridged(request, world, torch_world):
 def test_p2p_halo_exchange_delivers_neighbour_rows(bridged):
     m, halo = bridged, 2
     field = torch.arange(2 * 3 * 4 * m.domain_parallel_size * 5, dtype=torch.float32).reshape(2, 3, -1, 5)
-    field = field + 1000 * m._domain_group_idx  # each domain group exchanges its own sample
-    padded = P2PHaloExchange.apply(shard(field, m), halo, m)
+    field = field + 1000 * m.mesh.group_index("domain")  # each domain group exchanges its own sample
+    padded = P2PHaloExchange.apply(tile_of(field, m), halo, m)
     zeros = torch.zeros(2, 3, halo, 5)
     rows = 4
     start = m.domain_rank * rows
     expected_top = zeros if m.is_first_domain_rank else field[..., start - halo:start, :]
     expected_bottom = zeros if m.is_last_domain_rank else field[..., start + rows:start + rows + halo, :]
-    torch.testing.assert_close(padded, torch.cat([expected_top, shard(field, m), expected_bottom], dim=-2))
+    torch.testing.assert_close(padded, torch.cat([expected_top, tile_of(field, m), expected_bottom], dim=-2))
 
 
 def test_all_gather_on_domain_group_reassembles_the_field(bridged):
     m = bridged
-    field = global_field((2, 3, 3 * m.domain_parallel_size, 8), seed=7 + m._domain_group_idx, dtype=torch.float32)
-    pieces = [torch.empty_like(shard(field, m)) for _ in range(m.domain_parallel_size)]
-    dist.all_gather(pieces, shard(field, m).contiguous(), group=m.domain_group)
+    field = global_field((2, 3, 3 * m.domain_parallel_size, 8), seed=7 + m.mesh.group_index("domain"), dtype=torch.float32)
+    pieces = [torch.empty_like(tile_of(field, m)) for _ in range(m.domain_parallel_size)]
+    dist.all_gather(pieces, tile_of(field, m).contiguous(), group=m.domain_group)
     torch.testing.assert_close(torch.cat(pieces, dim=-2), field, rtol=0, atol=0)
 
 
@@ -237,16 +265,16 @@ def test_domain_parallel_convolution_matches_single_process(bridged):
     expected = F.conv2d(whole, whole_weight, padding=1)
     (expected * upstream).sum().backward()
 
-    part = shard(field, m).clone().requires_grad_()
+    part = tile_of(field, m).clone().requires_grad_()
     part_weight = weight.clone().requires_grad_()
     padded = P2PHaloExchange.apply(part, 1, m)
     out = F.conv2d(padded, part_weight, padding=(0, 1))
-    (out * shard(upstream, m)).sum().backward()
+    (out * tile_of(upstream, m)).sum().backward()
     weight_grad = part_weight.grad.clone()
     dist.all_reduce(weight_grad, group=m.domain_group)
 
-    torch.testing.assert_close(out, shard(expected, m))
-    torch.testing.assert_close(part.grad, shard(whole.grad, m))
+    torch.testing.assert_close(out, tile_of(expected, m))
+    torch.testing.assert_close(part.grad, tile_of(whole.grad, m))
     torch.testing.assert_close(weight_grad, whole_weight.grad)
 
 

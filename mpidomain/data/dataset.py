@@ -4,7 +4,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, DistributedSampler
 
-from .._mpi import agree
+from .._agreement import agree
 from .._validate import require_manager
 from ..manager import library_comm
 from .select import _grid, select_tile

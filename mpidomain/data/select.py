@@ -13,7 +13,8 @@ import xarray as xr
 from xarray.backends import BackendArray
 from xarray.core import indexing
 
-from .._mpi import agree, digest
+from .._agreement import agree
+from .._errors import digest
 from .._validate import require_manager
 from ..manager import library_comm
 from .window import tile_window

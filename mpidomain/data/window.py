@@ -12,8 +12,7 @@ from dataclasses import dataclass
 from typing import Tuple
 
 from .._validate import is_int
-from ..sharding import balanced_split
-from ..tile_layout import TileLayout
+from ..tile_layout import TileLayout, balanced_split
 
 __all__ = ["TileWindow", "tile_window"]
 

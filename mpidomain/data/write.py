@@ -35,7 +35,10 @@ import xarray as xr
 import zarr
 from xarray.backends.zarr import FillValueCoder, encode_zarr_attr_value, encode_zarr_variable
 
-from .._mpi import agree, mpi, raise_on_all_ranks, wait_all
+from .._agreement import agree
+from .._errors import raise_on_all_ranks
+from .._mpi import mpi
+from .._waits import wait_all
 from .._validate import is_int, require_manager
 from ..manager import library_comm
 from .write_layout import AxisSplit, absent_axis, block_moves, place_tiles, tile_coordinates

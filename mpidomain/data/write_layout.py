@@ -16,7 +16,7 @@ from typing import Tuple
 
 import numpy as np
 
-from ..sharding import balanced_split
+from ..tile_layout import balanced_split
 
 __all__ = ["AxisSplit", "absent_axis", "block_moves", "place_tiles", "tile_coordinates"]
 

@@ -17,7 +17,9 @@ import torch
 import xarray as xr
 from zarr.storage import LocalStore
 
-from .._mpi import mpi, raise_on_all_ranks, wait_all
+from .._errors import raise_on_all_ranks
+from .._mpi import mpi
+from .._waits import wait_all
 from ..data import CountingStore, TileDataset, select_tile, write_tile
 from ..manager import initialize_domain_parallel, library_comm
 from ..models import UNet, convert_model, credit_crossformer, credit_missing, custom_converters
@@ -343,7 +345,7 @@ def run_forecast(settings, out=print):
         layout = "x".join(map(str, settings.domain_shape(job.size)))
         if job.rank == 0:
             out(f"mpidomain forecast: {job.size} ranks = {groups} data-parallel group(s) x D={layout} "
-                f"({'tiles' if len(manager.domain_shape) == 2 else 'latitude slabs'}); {name} model, {settings.dtype}; "
+                f"({'tiles' if manager.tiled else 'latitude slabs'}); {name} model, {settings.dtype}; "
                 f"{len(job.channels)} channels ({', '.join(job.channels)}) on {job.data.sizes[LAT]} x "
                 f"{job.data.sizes[LON]}; data {job.data_path}")
         loss_function = LatitudeWeightedMSE(job.latitude, manager)

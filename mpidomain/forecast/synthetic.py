@@ -10,10 +10,10 @@ store is the same bit for bit whatever the ranks' layout.
 import numpy as np
 import xarray as xr
 
-from .._mpi import wait_all
+from .._waits import wait_all
 from ..data import write_tile
 from ..manager import library_comm
-from ..sharding import balanced_split
+from ..tile_layout import balanced_split
 
 __all__ = ["write_synthetic_store", "SYNTHETIC_VARIABLES", "grid_coordinates"]
 
@@ -40,8 +40,8 @@ def grid_coordinates(height, width):
 
 def tile_bounds(manager, height, width):
     """Return this rank's (row slice, column slice) of a ``height`` x ``width`` grid in the manager's layout."""
-    shape = manager.domain_shape if len(manager.domain_shape) == 2 else (manager.domain_parallel_size, 1)
-    coords = manager.domain_coords if len(manager.domain_shape) == 2 else (manager.domain_coords[0], 0)
+    shape = manager.domain_shape if manager.tiled else (manager.domain_parallel_size, 1)
+    coords = manager.domain_coords if manager.tiled else (manager.domain_coords[0], 0)
     bounds = []
     for extent, parts, index in ((height, shape[0], coords[0]), (width, shape[1], coords[1])):
         counts, offsets = balanced_split(extent, parts)

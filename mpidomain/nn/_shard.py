@@ -4,17 +4,19 @@
   the same on every rank) and every rank's extent along the sharded dimension;
 - :func:`fetch_rows`: this rank's input rows ``[in_start, in_stop)`` through a
   differentiable halo exchange, with the layer's own padding beyond the edges;
-- :class:`Wrapper`: a layer that holds the wrapped module as a child yet
-  shows its parameters under the wrapped module's own state_dict keys, and
-  runs its forward pre-hooks (spectral_norm, weight_norm).
+- :class:`Wrapper`: :class:`~mpidomain.nn.DomainParallelModule` (``module.py``), a layer that holds
+  the wrapped module as a child yet shows its parameters under the wrapped module's own
+  state_dict keys, and runs its forward pre-hooks (spectral_norm, weight_norm).
 """
 
 import torch
 
-from .._mpi import agree, allgather_ints
-from .._validate import normalize_dim, require_manager
+from .._agreement import agree
+from .._waits import allgather_ints
+from .._validate import normalize_dim
 from ..manager import library_comm
 from .halo import HaloExchange
+from .module import DomainParallelModule as Wrapper
 
 __all__ = ["Wrapper", "fetch_rows", "layer_agree", "layer_extents", "place", "require_covered", "shard_dims",
            "spatial_axis"]
@@ -128,66 +130,3 @@ def fetch_rows(x, window, halo, dim, manager, *, edge="zeros", first=True, last=
                 for g in range(window.own_stop, window.own_stop + trail)]
         pieces.append(x.index_select(dim, torch.tensor(rows, device=x.device)))
     return torch.cat(pieces, dim)
-
-
-class Wrapper(torch.nn.Module):
-    """A layer around ``self.<child>``: the child's parameters keep the child's own state_dict keys.
-
-    ``model.state_dict()`` of a converted model has the keys of the model
-    before conversion, and loads either way.
-    """
-
-    _child = "module"
-    keeps_child_prefix = False  # True: the state_dict keys keep "<child>." (the wrapped module's parent's keys)
-
-    def __init__(self, module, shard_dim, manager):
-        super().__init__()
-        setattr(self, self._child, module)
-        self.shard_dim = shard_dim
-        self.manager = manager
-        register_post = getattr(self, "register_state_dict_post_hook", None) or self._register_state_dict_hook
-        register_post(_strip_child_prefix)
-        self.register_load_state_dict_pre_hook(_add_child_prefix)
-
-    @property
-    def wrapped(self):
-        """The wrapped module."""
-        return getattr(self, self._child)
-
-    @property
-    def weight(self):
-        """The wrapped module's weight (or None)."""
-        return self.wrapped.weight
-
-    @property
-    def bias(self):
-        """The wrapped module's bias (or None)."""
-        return self.wrapped.bias
-
-    def _manager(self):
-        return require_manager(self.manager, type(self).__name__)
-
-    def _pre_hooks(self, x):
-        """Run the wrapped module's forward pre-hooks on ``(x,)``; return the input they leave."""
-        module = self.wrapped
-        for hook in list(module._forward_pre_hooks.values()):
-            result = hook(module, (x,))
-            if result is not None:
-                x = result[0] if isinstance(result, tuple) else result
-        return x
-
-
-def _strip_child_prefix(module, state_dict, prefix, local_metadata):
-    if getattr(module, "keeps_child_prefix", False):
-        return
-    inner = prefix + module._child + "."
-    for key in [k for k in state_dict if k.startswith(inner)]:
-        state_dict[prefix + key[len(inner):]] = state_dict.pop(key)
-
-
-def _add_child_prefix(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
-    if getattr(module, "keeps_child_prefix", False):
-        return
-    inner = prefix + module._child + "."
-    for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(inner)]:
-        state_dict[inner + key[len(prefix):]] = state_dict.pop(key)

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from . import rows
 from ._shard import Wrapper, fetch_rows, layer_agree, layer_extents, place, require_covered, shard_dims, spatial_axis
+from .overlap import overlapped_rows, resolve
 
 __all__ = [
     "DomainParallelConv2d",
@@ -77,11 +78,22 @@ class _Conv(Wrapper):
 
 
 class _ForwardConv(_Conv):
+    def __init__(self, conv, shard_dim=-2, manager=None, *, padding=None, overlap=None):
+        super().__init__(conv, shard_dim, manager, padding=padding)
+        # True: start the halo exchange, compute the rows that need no halo, then the edge rows
+        # (mpidomain.nn.overlap); False: exchange, then compute; None: mpidomain.nn.overlap_default().
+        self.overlap = overlap
+
+    def _settings(self, axis):
+        return super()._settings(axis) + (("overlap", resolve(self.overlap)),)
+
     def forward(self, x):
         """Return this rank's rows of the convolution of the whole field; collective over the domain group.
 
         With tiles, the input rows along each sharded dim in turn (the second exchange carries the
-        first one's halo rows, so the corners come along), then one convolution.
+        first one's halo rows, so the corners come along), then one convolution. With ``overlap``,
+        the exchange along the last sharded dim (latitude on slabs, longitude on tiles) travels
+        while the rows that need no halo along it are convolved (:mod:`mpidomain.nn.overlap`).
         """
         x = self._pre_hooks(x)
         conv, name, manager = self.conv, type(self).__name__, self._manager()
@@ -90,35 +102,49 @@ class _ForwardConv(_Conv):
         require_covered(manager, x, self.shard_dim, self._spatial, name,
                         lambda a: conv.kernel_size[a] == 1 and conv.stride[a] == 1 and pads[a] == (0, 0))
         overrides = self.padding_override if len(dims) > 1 else (self.padding_override,)
-        for shard_dim, override in zip(dims, overrides or (None,) * len(dims)):
+        overlap = resolve(self.overlap)
+        for i, (shard_dim, override) in enumerate(zip(dims, overrides or (None,) * len(dims))):
             dim, axis = spatial_axis(x, shard_dim, self._spatial, name)
             if override is not None:
                 pads[axis] = tuple(override)
-            x = self._rows_along(x, manager, name, dim, axis, pads)
+            window, halo, first, last = self._window_along(x, manager, name, dim, axis, pads)
             axes.append(axis)
+            if overlap and i == len(dims) - 1 and halo and window.outputs:
+                k, s, d = conv.kernel_size[axis], conv.stride[axis], conv.dilation[axis]
+                return overlapped_rows(x, window, halo, dim, manager,
+                                       lambda slab, sub: self._convolve(slab, pads, axes), s, d * (k - 1) + 1,
+                                       edge=self._edge(axis), first=first, last=last)
+            x = self._fetch(x, window, halo, dim, manager, name, axis, pads, first, last)
         return self._convolve(x, pads, axes)
 
-    def _rows_along(self, x, manager, name, dim, axis, pads):
-        """Return the input rows this rank's output rows need along ``dim`` (spatial ``axis``); collective."""
+    def _details(self, dim, axis, pads):
+        conv = self.conv
+        return (f"kernel={conv.kernel_size[axis]}, stride={conv.stride[axis]}, dilation={conv.dilation[axis]}, "
+                f"padding={pads[axis]} along dim {dim}")
+
+    def _fetch(self, x, window, halo, dim, manager, name, axis, pads, first, last):
+        """Return ``window``'s input rows along ``dim`` (a halo exchange); collective."""
+        try:
+            return fetch_rows(x, window, halo, dim, manager, edge=self._edge(axis), first=first, last=last)
+        except ValueError as error:  # raised on every rank alike: say which layer
+            raise ValueError(f"{name}({self._details(dim, axis, pads)}): {error}") from error
+
+    def _window_along(self, x, manager, name, dim, axis, pads):
+        """Agree, and return (this rank's window, the halo, whether it holds the first/last rows) along ``dim``."""
         conv = self.conv
         k, s, d = conv.kernel_size[axis], conv.stride[axis], conv.dilation[axis]
         mode = self._edge(axis)
-        details = f"kernel={k}, stride={s}, dilation={d}, padding={pads[axis]} along dim {dim}"
+        details = self._details(dim, axis, pads)
         if s == 1:  # each rank's window follows from its own rows: no extents to gather
-            window, halo, first, last = self._unit_stride(manager, name, x, dim, axis, pads, details)
-        else:
-            extents, index = layer_extents(manager, name, x, dim, self._settings(axis))
-            windows = rows.conv_windows(extents, k, s, d, *pads[axis])
-            halo = rows.halo_for(windows)
-            _check_windows(name, windows, extents, halo, details)
-            if mode == "reflect" and max(pads[axis]) >= min(extents[0], extents[-1]):
-                raise ValueError(f"{name}({details}): reflect padding needs more rows than the padding on the edge "
-                                 f"ranks, got shards of {list(extents)}; use fewer domain ranks")
-            window, first, last = windows[index], index == 0, index == len(windows) - 1
-        try:
-            return fetch_rows(x, window, halo, dim, manager, edge=mode, first=first, last=last)
-        except ValueError as error:  # raised on every rank alike: say which layer
-            raise ValueError(f"{name}({details}): {error}") from error
+            return self._unit_stride(manager, name, x, dim, axis, pads, details)
+        extents, index = layer_extents(manager, name, x, dim, self._settings(axis))
+        windows = rows.conv_windows(extents, k, s, d, *pads[axis])
+        halo = rows.halo_for(windows)
+        _check_windows(name, windows, extents, halo, details)
+        if mode == "reflect" and max(pads[axis]) >= min(extents[0], extents[-1]):
+            raise ValueError(f"{name}({details}): reflect padding needs more rows than the padding on the edge "
+                             f"ranks, got shards of {list(extents)}; use fewer domain ranks")
+        return windows[index], halo, index == 0, index == len(windows) - 1
 
     def _unit_stride(self, manager, name, x, dim, axis, pads, details):
         """Agree, and return (window, halo, first, last) of a stride-1 layer from this rank's rows alone."""
@@ -136,8 +162,12 @@ class _ForwardConv(_Conv):
         elif self._edge(axis) == "reflect" and (first or last) and max(before, after) >= n:
             error = ValueError(f"{name}({details}): reflect padding needs more rows than the padding on the edge "
                                f"ranks, which hold {n}; use fewer domain ranks")
+        halo = rows.unit_stride_halo(k, d, before, after)
+        if error is None and resolve(self.overlap) and n < halo:  # the exchange reports it when not overlapping
+            error = ValueError(f"{name}({details}): it needs {halo} rows of each neighbour, more than this rank's "
+                               f"{n}; use fewer domain ranks or a larger field")
         layer_agree(manager, name, x, dim, self._settings(axis), error)
-        return window, rows.unit_stride_halo(k, d, before, after), first, last
+        return window, halo, first, last
 
     def _edge(self, axis):
         """How rows beyond the field's edges along spatial ``axis`` are made: the conv's padding mode."""
@@ -174,6 +204,10 @@ class DomainParallelConv2d(_ForwardConv):
     :param shard_dim: The sharded dim of the input (the manager's ``shard_dim``).
     :param manager: Default: the global manager from ``initialize_domain_parallel``.
     :param padding: (before, after) rows along ``shard_dim`` in place of the conv's own padding.
+    :param overlap: True: start the halo exchange, convolve the rows that need no halo while it travels,
+        then the edge rows (forward and backward; along the last sharded dim); False: exchange, then
+        convolve; None (default): :func:`mpidomain.nn.overlap_default` (``set_overlap``,
+        ``MPIDOMAIN_OVERLAP``). The results are the same either way.
     """
 
     _base = torch.nn.Conv2d
@@ -274,10 +308,11 @@ class DomainParallelPeriodicConv2d(DomainParallelConv2d):
     :param periodic_padding: Rows and columns padded on each side in place of the conv's padding.
     """
 
-    def __init__(self, conv, shard_dim=-2, manager=None, *, padding=None, latitude="zeros", periodic_padding=None):
+    def __init__(self, conv, shard_dim=-2, manager=None, *, padding=None, latitude="zeros", periodic_padding=None,
+                 overlap=None):
         if latitude not in ("zeros", "reflect"):
             raise ValueError(f"latitude must be 'zeros' or 'reflect', got {latitude!r}")
-        super().__init__(conv, shard_dim, manager, padding=padding)
+        super().__init__(conv, shard_dim, manager, padding=padding, overlap=overlap)
         self.latitude = latitude
         self.periodic_padding = periodic_padding
 

@@ -25,11 +25,12 @@ of ``align[1]`` (they do for 360 + 76 + 76 on 2 tiles); otherwise it raises on e
 import numpy as np
 import torch
 
-from .._mpi import agree, allgather_ints
+from .._agreement import agree
 from .._validate import require_manager
+from .._waits import allgather_ints
 from ..manager import library_comm
 from ..redistribution_layout import RowMove, contiguous_layout
-from ..sharding import balanced_split
+from ..tile_layout import balanced_split
 from ._shard import place
 from .halo import HaloExchange
 from .redistribution import Redistribute

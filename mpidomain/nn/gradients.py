@@ -9,8 +9,10 @@ pinned host buffer; half-precision gradients are reduced in float32.
 
 import torch
 
-from .. import devices, transport
-from .._mpi import _ranges, agree, mpi
+from .. import comm_stats, devices, transport
+from .._agreement import agree
+from .._errors import rank_ranges
+from .._mpi import mpi
 from ..reduce import group_communicator
 
 __all__ = ["allreduce_gradients", "DEFAULT_BUCKET_BYTES"]
@@ -52,7 +54,7 @@ def _mismatch(signatures):
     lines = []
     for rank, (op, bucket_bytes, count, entries) in enumerate(signatures):
         with_grad = [index for index, *_ in entries]
-        listed = _ranges(with_grad) if with_grad else "none"
+        listed = rank_ranges(with_grad) if with_grad else "none"
         lines.append(f"rank {rank}: op={op!r} bucket_bytes={bucket_bytes}, {len(with_grad)} of {count} "
                      f"parameters with a gradient ({listed})")
     shapes = {}
@@ -62,7 +64,7 @@ def _mismatch(signatures):
     for index, variants in sorted(shapes.items()):
         if len(variants) > 1:
             lines.append(f"parameter {index}: " + "; ".join(
-                f"shape {shape} {dtype} on {device} on rank(s) {_ranges(ranks)}"
+                f"shape {shape} {dtype} on {device} on rank(s) {rank_ranges(ranks)}"
                 for (shape, dtype, device), ranks in variants.items()))
             break
     return ValueError(
@@ -155,7 +157,14 @@ def _reduce_bucket(grads, op, comm, staging):
                                  or staging.dtype != devices.numpy_dtype(flat)):
         staging = way.staging(flat)  # kept for the next bucket: pinned memory is slow to allocate
     with way.in_place(flat, None if staging is None else staging[:flat.numel()]) as memory:
-        comm.Allreduce(MPI.IN_PLACE, [memory, datatype], op=MPI.SUM)
+        if comm_stats.recorder is not None and comm.Get_size() > 1:
+            comm_stats.sent("allreduce", flat.numel() * flat.element_size(), layer="gradients")
+        if comm_stats.timer is None:
+            comm.Allreduce(MPI.IN_PLACE, [memory, datatype], op=MPI.SUM)
+        else:
+            began = comm_stats.clock()
+            comm.Allreduce(MPI.IN_PLACE, [memory, datatype], op=MPI.SUM)
+            comm_stats.waited(comm_stats.clock() - began)
     if op == "mean":
         flat /= comm.Get_size()
     for piece, grad in zip(flat.split(numels), grads):

@@ -14,7 +14,8 @@ over their mean across the global grid's rows; the loss is the mean of
 import numpy as np
 import torch
 
-from .._mpi import agree, error_report, fence, raise_reported
+from .._agreement import agree
+from .._errors import error_report, fence, raise_reported
 from .._validate import require_manager
 from ..manager import library_comm
 from ..reduce import reduce_array
@@ -241,7 +242,7 @@ def _weights(latitudes, global_rows, call):
 
 def _row_block(call, manager):
     """Which latitude rows this rank holds: ranks of the same block hold the same rows; blocks go in rank order."""
-    if len(manager.domain_shape) == 2:
+    if manager.tiled:
         return manager.domain_coords[0]  # the tile row
     if manager.shard_dims == (-2,):
         return manager.domain_rank  # latitude slabs: each rank its own rows
@@ -252,7 +253,7 @@ def _row_block(call, manager):
 
 
 def _block_name(manager):
-    return "tile row" if len(manager.domain_shape) == 2 else "block"
+    return "tile row" if manager.tiled else "block"
 
 
 def _fields_error(call, pred, target, least_dims):

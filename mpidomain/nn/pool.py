@@ -23,6 +23,7 @@ from ..reduce import allreduce
 from . import rows
 from ._shard import Wrapper, fetch_rows, layer_extents, require_covered, shard_dims, spatial_axis
 from .conv import _check_windows
+from .overlap import overlapped_rows, resolve
 
 __all__ = ["DomainParallelAdaptiveAvgPool2d", "DomainParallelAdaptiveMaxPool2d", "DomainParallelAvgPool2d",
            "DomainParallelMaxPool2d", "adaptive_pool"]
@@ -44,6 +45,12 @@ class _Pool(Wrapper):
 
 
 class _WindowPool(_Pool):
+    def __init__(self, pool, shard_dim=-2, manager=None, *, overlap=None):
+        super().__init__(pool, shard_dim, manager)
+        # True: start the halo exchange, pool the rows that need no halo, then the edge rows
+        # (mpidomain.nn.overlap); False: exchange, then pool; None: mpidomain.nn.overlap_default().
+        self.overlap = overlap
+
     def _geometry(self):
         """(kernel, stride, dilation, padding) per spatial axis, and ceil_mode."""
         pool = self.pool
@@ -52,15 +59,21 @@ class _WindowPool(_Pool):
         return (_pair(pool.kernel_size), _pair(stride), _pair(dilation), _pair(pool.padding)), pool.ceil_mode
 
     def _settings(self, axis):
-        return (type(self.pool).__name__, repr(self.pool), axis)
+        return (type(self.pool).__name__, repr(self.pool), axis, ("overlap", resolve(self.overlap)))
 
     def forward(self, x):
-        """Return this rank's rows of the pooled whole field; collective over the domain group."""
+        """Return this rank's rows of the pooled whole field; collective over the domain group.
+
+        With ``overlap``, the exchange along the last sharded dim travels while the rows that need no
+        halo along it are pooled (:mod:`mpidomain.nn.overlap`).
+        """
         name, manager = type(self).__name__, self._manager()
         (k, s, d, p), ceil = self._geometry()
         require_covered(manager, x, self.shard_dim, 2, name, lambda a: k[a] == 1 and s[a] == 1 and p[a] == 0)
+        overlap = resolve(self.overlap)
         cuts = []  # (dim, axis, window, total rows) per sharded dim
-        for shard_dim in shard_dims(self.shard_dim):
+        dims = shard_dims(self.shard_dim)
+        for i, shard_dim in enumerate(dims):
             dim, axis = spatial_axis(x, shard_dim, 2, name)
             extents, index = layer_extents(manager, name, x, dim, self._settings(axis))
             windows = rows.pool_windows(extents, k[axis], s[axis], d[axis], p[axis], ceil)
@@ -68,8 +81,15 @@ class _WindowPool(_Pool):
             details = (f"kernel={k[axis]}, stride={s[axis]}, dilation={d[axis]}, padding={p[axis]}, "
                        f"ceil_mode={ceil} along dim {dim}")
             _check_windows(name, windows, extents, halo, details)
-            x = fetch_rows(x, windows[index], halo, dim, manager)
-            cuts.append((dim, axis, windows[index], sum(extents)))
+            window, total = windows[index], sum(extents)
+            if overlap and i == len(dims) - 1 and halo and window.outputs:
+                done = list(cuts)
+                return overlapped_rows(
+                    x, window, halo, dim, manager,
+                    lambda slab, sub: self._pool(slab, done + [(dim, axis, sub, total)], k, s, d, p, ceil),
+                    s[axis], d[axis] * (k[axis] - 1) + 1)
+            x = fetch_rows(x, window, halo, dim, manager)
+            cuts.append((dim, axis, window, total))
         return self._pool(x, cuts, k, s, d, p, ceil)
 
     @staticmethod
@@ -92,6 +112,8 @@ class DomainParallelMaxPool2d(_WindowPool):
     :param pool: The ``torch.nn.MaxPool2d`` (``return_indices=False``), kept as ``.pool``.
     :param shard_dim: The sharded dim of the input (the manager's ``shard_dim``), or ``(-2, -1)`` for tiles.
     :param manager: Default: the global manager from ``initialize_domain_parallel``.
+    :param overlap: True: pool the rows that need no halo while the halos travel; False: exchange, then pool;
+        None (default): :func:`mpidomain.nn.overlap_default`. The results are the same either way.
     """
 
     _base = torch.nn.MaxPool2d

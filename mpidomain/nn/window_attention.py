@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .._mpi import agree
+from .._agreement import agree
 from .._validate import is_int
 from ..manager import library_comm
 from ..redistribution_layout import WINDOW_KINDS, window_move
