@@ -3,6 +3,8 @@
 
     mpiexec -n 2 python scripts/bench_step.py [--model cnn|crossformer|both] [--repeats 5] [--grid 181x360]
     python scripts/bench_step.py --bytes            # projected bytes per rank, CrossFormer, D = 2 .. 64
+    python scripts/bench_step.py --project [--bandwidth 25] [--latency 2] [--compute-seconds S]
+                                                    # projected step time at 0.25 degrees, D = 4 .. 64
 
 A step is forward, loss (this rank's share of the whole field's mean square), backward and the
 all-reduce of the parameter gradients over the domain group (``allreduce_gradients``). Models:
@@ -21,6 +23,13 @@ cores are the same, so this is the ideal) and the share of the step spent waitin
 seconds inside the library's MPI waits and blocking collectives (a :class:`mpidomain.comm_stats.WaitTimer`,
 timed where the library completes requests: halo exchanges, all-to-alls, all-reduces, agreement steps).
 Then :class:`mpidomain.nn.CommStats` of one more step: bytes each rank sends, by kind.
+
+``--bytes`` projects, without MPI ranks, what CommStats would count (all but control) for CREDIT's
+CrossFormer at 1 and 0.25 degrees, D = 2 .. 64 (:func:`project_traffic`: a meta-device training pass
+of the unconverted model and the library's row arithmetic). ``--project`` turns it into a step time at
+0.25 degrees: compute(D=1) / D plus, for the busiest rank, each point-to-point message's latency +
+bytes / bandwidth (no overlap), all-reduces 2 log2(D) latencies + 2 (D-1)/D bytes / bandwidth, and the
+control steps' latencies.
 """
 
 import argparse
@@ -39,6 +48,8 @@ import mpidomain  # noqa: E402
 from mpidomain import comm_stats  # noqa: E402
 from mpidomain.models import UNet, convert_model, credit_crossformer_module, credit_missing  # noqa: E402
 from mpidomain.nn import CommStats, allreduce_gradients  # noqa: E402
+from mpidomain.nn.conv import conv_padding  # noqa: E402
+from mpidomain.nn.stats import LABELS  # noqa: E402
 
 ONE_DEGREE = (181, 360)
 CROSSFORMER_1DEG = dict(pad_lat=(37, 38), pad_lon=(76, 76), dim=(8, 16, 32, 64), dim_head=8, local_window_size=4,
@@ -54,9 +65,20 @@ def parse(argv=None):
     parser.add_argument("--grid", default=None, help="HxW; default 181x360 (1 degree)")
     parser.add_argument("--bytes", action="store_true",
                         help="print projected bytes per rank for CREDIT's CrossFormer at 1 and 0.25 degrees, D=2..64")
+    parser.add_argument("--project", action="store_true",
+                        help="print the projected step time of CREDIT's CrossFormer at 0.25 degrees, D=4..64")
+    parser.add_argument("--bandwidth", type=float, default=25.0,
+                        help="--project: GB/s per rank (default 25, a Slingshot-class 200 Gb/s link)")
+    parser.add_argument("--latency", type=float, default=2.0, help="--project: microseconds per message (default 2)")
+    parser.add_argument("--compute-seconds", type=float, default=None,
+                        help="--project: seconds of one D=1 step at 0.25 degrees (default: measured here)")
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error(f"--repeats takes a number of timed steps >= 1, got {args.repeats}")
+    for name in ("bandwidth", "latency", "compute_seconds"):
+        value = getattr(args, name)
+        if value is not None and not (value > 0 if name != "latency" else value >= 0):
+            parser.error(f"--{name.replace('_', '-')} takes a positive number, got {value}")
     try:
         args.shape = tuple(int(n) for n in (args.grid or "181x360").lower().split("x"))
         assert len(args.shape) == 2 and min(args.shape) > 0
@@ -77,12 +99,13 @@ def crossformer_config(shape):
     return CROSSFORMER_SMALL, "no padding"
 
 
-def build(name, shape):
-    """A fresh (seeded) float32 model and its whole-field input (1, C, H, W) (5-d for CREDIT's CrossFormer)."""
+def build(name, shape, config=None):
+    """A fresh (seeded) float32 model and its whole-field input (1, C, H, W) (5-d for CREDIT's CrossFormer);
+    ``config``: the CrossFormer's (default :func:`crossformer_config`'s)."""
     torch.manual_seed(0)
     if name == "cnn":
         return UNet(channels=4, width=32), torch.randn(1, 4, *shape)
-    config = dict(crossformer_config(shape)[0])
+    config = dict(config or crossformer_config(shape)[0])
     pad_lat, pad_lon = config.pop("pad_lat"), config.pop("pad_lon")
     model = credit_crossformer_module().CrossFormer(
         image_height=shape[0], image_width=shape[1], frames=1, output_frames=1, channels=2, levels=2,
@@ -96,9 +119,9 @@ def build(name, shape):
 class Run:
     """One converted model over one manager, ready to step."""
 
-    def __init__(self, name, shape, manager):
+    def __init__(self, name, shape, manager, config=None):
         self.manager = manager
-        model, field = build(name, shape)
+        model, field = build(name, shape, config)
         self.model = convert_model(model, manager)
         self.x = mpidomain.shard_tensor(field, dim=-2, manager=manager, allow_uneven=True)
         self.count = float(field[:, :4 if name == "cnn" else 6].numel())  # outputs of the whole field
@@ -182,124 +205,346 @@ def bench(name, args, world):
 
 # -- the projection ----------------------------------------------------------------------------------------
 QUARTER_DEGREE = (721, 1440)
-# CREDIT's 0.25-degree CrossFormer: the 1-degree layers on 721 x 1440 (padding to 768 rows, 1536 columns,
-# a multiple of the 64-row alignment).
+# CREDIT's CrossFormer at 1 and 0.25 degrees: the 1-degree layers; at 0.25 degrees padded to 768 rows and
+# 1536 columns (a multiple of the 64-row alignment).
 PROJECTIONS = {"1 degree": (ONE_DEGREE, (37, 38), (76, 76)), "0.25 degrees": (QUARTER_DEGREE, (23, 24), (48, 48))}
+DS = (2, 4, 8, 16, 32, 64)
+#: The kinds the projection counts (CommStats' labels); control (agreement steps, extents) is not projected.
+HALO_CONV, HALO_POOL, HALO_OTHER = (LABELS[("halo", k)] for k in ("conv", "pool", "other"))
+A2A_ATTENTION, A2A_OTHER = LABELS[("alltoall", "attention")], LABELS[("alltoall", "other")]
+NORM, GRADIENTS = LABELS[("allreduce", "norm")], LABELS[("allreduce", "gradients")]
+PROJECTED = (HALO_CONV, HALO_POOL, HALO_OTHER, A2A_ATTENTION, A2A_OTHER, NORM, GRADIENTS)
+REDUCES = (NORM, GRADIENTS)
+# Agreement steps and extents (control) per step: CommStats' count for CREDIT's CrossFormer at 1 degree, D=2
+# (124 sends of 16-56 bytes); its layers are the same at 0.25 degrees. Latency only, in the time projection.
+CONTROL_CALLS = 124
 
 
-def layer_shapes(shape, pad_lat, pad_lon):
-    """Run CREDIT's CrossFormer (1-degree layers) on the meta device; return [(module, input shape)] per layer."""
-    config = dict(CROSSFORMER_1DEG, pad_lat=pad_lat, pad_lon=pad_lon)
-    model, _ = build("crossformer", shape) if shape == ONE_DEGREE else (None, None)
-    if model is None:
-        config.pop("pad_lat"), config.pop("pad_lon")
-        torch.manual_seed(0)
-        model = credit_crossformer_module().CrossFormer(
-            image_height=shape[0], image_width=shape[1], frames=1, output_frames=1, channels=2, levels=2,
-            surface_channels=2, input_only_channels=1, depth=(1, 1, 1, 1), cross_embed_strides=(2, 2, 2, 2),
-            use_spectral_norm=True, upsample_with_ps=True, attention_type="scse",
-            padding_conf=dict(activate=True, mode="earth", pad_lat=list(pad_lat), pad_lon=list(pad_lon)), **config)
-    model = model.to("meta")
+class Traffic:
+    """What each of ``d`` ranks sends in one training step, by CommStats label: ``[bytes, calls, messages]``.
+
+    ``calls`` as CommStats counts them (a halo exchange, an all-to-all, an all-reduce: one each);
+    ``messages``: the point-to-point messages (a halo exchange: one per neighbour; an all-to-all: one
+    per peer that gets rows; an all-reduce: one call, its messages are the algorithm's).
+    """
+
+    def __init__(self, d):
+        self.d = d
+        self.ranks = [{} for _ in range(d)]
+        self.smallest = [{} for _ in range(d)]  # label -> the smallest point-to-point message (bytes)
+        self.notes = set()
+
+    def add(self, rank, label, nbytes, messages=1):
+        entry = self.ranks[rank].setdefault(label, [0, 0, 0])
+        entry[0] += int(nbytes)
+        entry[1] += 1
+        entry[2] += int(messages)
+        if messages:
+            size = int(nbytes) // int(messages)
+            self.smallest[rank][label] = min(self.smallest[rank].get(label, size), size)
+
+    def by_kind(self, rank):
+        """{label: bytes} of ``rank``, CommStats' labels, kinds with none left out."""
+        return {label: v[0] for label, v in self.ranks[rank].items() if v[0]}
+
+    def total(self, rank):
+        return sum(v[0] for v in self.ranks[rank].values())
+
+    def busiest(self):
+        return max(range(self.d), key=self.total)
+
+    def seconds(self, rank, bandwidth, latency, control_calls=0):
+        """(seconds, {part: seconds}) of ``rank``'s messages in one step on a network of ``bandwidth`` bytes/s
+        and ``latency`` s: point to point, each message latency + bytes / bandwidth, one after the other
+        (no overlap); an all-reduce of n bytes 2 log2(D) latencies + 2 (D-1)/D n / bandwidth (reduce-scatter
+        and all-gather); a control step log2(D) latencies."""
+        d, hops = self.d, math.ceil(math.log2(self.d)) if self.d > 1 else 0
+        parts = {"latency": 0.0, "bandwidth": 0.0}
+        kinds = {}
+        for label, (nbytes, calls, messages) in self.ranks[rank].items():
+            if label in REDUCES:
+                lat, bw = calls * 2 * hops * latency, 2 * (d - 1) / d * nbytes / bandwidth
+            else:
+                lat, bw = messages * latency, nbytes / bandwidth
+            parts["latency"] += lat
+            parts["bandwidth"] += bw
+            kinds[label] = lat + bw
+        kinds["control"] = control_calls * hops * latency if d > 1 else 0.0
+        parts["latency"] += kinds["control"]
+        return sum(kinds.values()), parts, kinds
+
+
+class _PaddingProbe:
+    """Stands in for CREDIT's ``TensorPadding`` in the meta pass: pads with zeros and records what it was given."""
+
+    def __init__(self, padding, seen):
+        self.mode, self.pad_lat, self.pad_lon, self.align = padding.mode, padding.pad_lat, padding.pad_lon, \
+            padding.align[0]
+        self.seen = seen
+
+    def pad(self, x):
+        self.seen.append((self, tuple(x.shape), x.requires_grad, "pad"))
+        (top, bottom), (left, right) = self.pad_lat, self.pad_lon
+        return torch.nn.functional.pad(x, (left, right, top, bottom))
+
+    def unpad(self, y):
+        self.seen.append((self, tuple(y.shape), y.requires_grad, "unpad"))
+        (top, bottom), (left, right) = self.pad_lat, self.pad_lon
+        return y[..., top:y.shape[-2] - bottom, left:y.shape[-1] - right]
+
+
+def _layers(model, field_shape):
+    """One meta-device training pass of a copy of ``model`` (unconverted): ([(module, input shape, requires grad,
+    output rows)], gradient bytes, {conv: (top, bottom)} of a ZeroPad2d folded into it, PeriodicConvs)."""
+    import copy
+
+    from mpidomain.models import PeriodicConv
+    from mpidomain.nn.padded_models import plan_padded_models
+
+    model = copy.deepcopy(model).to("meta")
     seen = []
-    hooks = [m.register_forward_pre_hook(lambda m, args: seen.append((m, tuple(args[0].shape))))
-             for m in model.modules()
-             if isinstance(m, (torch.nn.Conv2d, torch.nn.GroupNorm)) or hasattr(m, "attn_type")]
-    with torch.no_grad():
-        model(torch.empty(1, 7, 1, *shape, device="meta"))
-    for hook in hooks:
-        hook.remove()
-    return model, seen
+    for module, name, value, _, _ in plan_padded_models(model):  # as convert_model: padding, interpolation
+        setattr(module, name, _PaddingProbe(value, seen) if name == "padding_opt" else value)
+    folded, periodic = {}, {m: m.conv for m in model.modules() if isinstance(m, PeriodicConv)}
+    for seq in model.modules():
+        if isinstance(seq, torch.nn.Sequential):
+            for pad, conv in zip(list(seq)[:-1], list(seq)[1:]):  # the converter's ZeroPad2d-before-Conv2d pair
+                if type(pad) is torch.nn.ZeroPad2d and isinstance(conv, torch.nn.Conv2d) and \
+                        conv_padding(conv) == [(0, 0), (0, 0)]:
+                    folded[conv] = pad.padding[2:]
+    inner = set(periodic.values())
+    kinds = (torch.nn.Conv2d, torch.nn.ConvTranspose2d, torch.nn.MaxPool2d, torch.nn.AvgPool2d,
+             torch.nn.GroupNorm, PeriodicConv)
+
+    def record(module, args, output):
+        x = args[0]
+        seen.append((module, tuple(x.shape), x.requires_grad, tuple(output.shape)))
+
+    hooks = [m.register_forward_hook(record) for m in model.modules()
+             if (isinstance(m, kinds) and m not in inner) or getattr(m, "attn_type", None) in ("short", "long")]
+    try:
+        with torch.enable_grad():
+            y = model(torch.empty(field_shape, device="meta"))
+            y.sum().backward()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    gradients = sum(p.numel() * p.element_size() for p in model.parameters() if p.grad is not None)
+    return seen, gradients, folded, periodic
 
 
-def moved_rows(source, target):
-    """Rows of a contiguous ``source`` split (extents) that another rank holds in the ``target`` split, per rank."""
-    def bounds(extents):
-        edges = [0]
-        for e in extents:
-            edges.append(edges[-1] + e)
-        return edges
-    s, t = bounds(source), bounds(target)
-    out = []
-    for r in range(len(source)):
-        kept = max(0, min(s[r + 1], t[r + 1]) - max(s[r], t[r]))
-        out.append(source[r] - kept)
-    return out
+def project_traffic(model, field_shape, d):
+    """Project the bytes each of ``d`` latitude slabs sends in one training step of ``model``, as CommStats
+    counts them (all but control); a :class:`Traffic`. No MPI: a meta-device pass of the unconverted model.
 
-
-def project(itemsize=4):
-    """Print the projected bytes each rank sends per step (the busiest rank), by kind, for D = 2 .. 64.
-
-    From the layer shapes of one meta-device pass (no MPI) and the library's row arithmetic
-    (:mod:`mpidomain.nn.rows` for halos, :func:`mpidomain.redistribution_layout.window_move` for the
-    long windows' all-to-all), with the padded rows cut into equal blocks (D dividing the blocks of
-    the model's alignment; a D beyond those is projected as if the rows split evenly, and marked).
+    The step is :class:`Run`'s: forward (the field needs no gradient), backward, ``allreduce_gradients``.
+    Each layer as the converted one runs it: halos of :mod:`mpidomain.nn.rows` (to each neighbour, and
+    back in backward where the layer's input needs a gradient), window attention's moves of
+    :func:`~mpidomain.redistribution_layout.window_move`, GroupNorm's float64 sums, CREDIT's padding
+    (the earth halo, then the deal into ``align``-row blocks; ``unpad`` the move back). A layout
+    the library refuses (more slabs than aligned blocks) is projected on balanced rows and noted.
     """
     from mpidomain.nn import rows
+    from mpidomain.nn.earth_padding import aligned_extents
     from mpidomain.redistribution_layout import window_move
     from mpidomain.tile_layout import balanced_split
 
+    traffic = Traffic(d)
+    if d == 1:
+        return traffic  # a group of one rank sends nothing
+    seen, gradients, folded, periodic = _layers(model, field_shape)
+    known = {}  # rows -> extents
+
+    def extents(h):
+        if h not in known:
+            base = max((n for n in known if n % h == 0 and all(e % (n // h) == 0 for e in known[n])), default=None)
+            known[h] = [e * h // base for e in known[base]] if base else list(balanced_split(h, d)[0])
+        return known[h]
+
+    def neighbours(r, circular=False):
+        return 2 if circular else (r > 0) + (r < d - 1)
+
+    def halo(label, width, row, backward, circular=False):
+        for r in range(d):
+            n = neighbours(r, circular)
+            for _ in range(2 if backward else 1):
+                if n and width:
+                    traffic.add(r, label, n * width * row, n)
+
+    def move(label, source, target, row, times):
+        from mpidomain.redistribution_layout import RowMove, contiguous_layout
+        there = RowMove(contiguous_layout(source), contiguous_layout(target))
+        for way in (there, there.inverse)[:times]:  # forward; backward the move back
+            for r in range(d):
+                sends = [len(s) for peer, s in enumerate(way.sends(r)) if peer != r]
+                traffic.add(r, label, sum(sends) * row, sum(1 for s in sends if s))
+
+    known[field_shape[-2]] = list(balanced_split(field_shape[-2], d)[0])
+    for module, shape, grad, out in seen:
+        row = math.prod(shape) // shape[-2] * 4  # float32 bytes of one row (latitude is dim -2)
+        if isinstance(module, _PaddingProbe):
+            (top, bottom), (left, right) = module.pad_lat, module.pad_lon
+            if out == "pad":
+                local = [e + (top if r == 0 else 0) + (bottom if r == d - 1 else 0)
+                         for r, e in enumerate(extents(shape[-2]))]
+                target = aligned_extents(sum(local), d, module.align)
+                if target is None:
+                    traffic.notes.add(f"more slabs than {sum(local) // module.align} blocks of {module.align} rows: "
+                                      "projected on balanced rows (the library needs tiles)")
+                    target = list(balanced_split(sum(local), d)[0])
+                known.clear()
+                known[sum(local)] = target
+                module.local = local
+                if module.mode == "earth" and max(top, bottom):  # HaloExchange((hlat, hlon), boundary="earth")
+                    wide = row // shape[-1] * (shape[-1] + 2 * max(left, right))
+                    halo(HALO_OTHER, max(top, bottom), wide, grad)
+                if local != target:
+                    move(A2A_OTHER, local, target, row + row // shape[-1] * (left + right), 2 if grad else 1)
+            else:
+                target = extents(shape[-2])
+                if module.local != target:
+                    move(A2A_OTHER, target, module.local, row, 2 if grad else 1)
+            continue
+        h = shape[-2]
+        if isinstance(module, torch.nn.GroupNorm):
+            b, g = shape[0], module.num_groups
+            for r in range(d):
+                traffic.add(r, NORM, 8 * b * (g + 1))
+                traffic.add(r, NORM, 8 * b * g)
+                if grad or any(p.requires_grad for p in module.parameters()):
+                    traffic.add(r, NORM, 8 * b * 2 * g)
+        elif getattr(module, "attn_type", None) in ("short", "long"):
+            try:
+                moves = window_move(module.attn_type, tuple(extents(h)), module.window_size)
+            except ValueError:
+                traffic.notes.add(f"a {module.attn_type} window of {module.window_size} does not fit the slabs of "
+                                  f"{h} rows: not counted")
+                continue
+            if moves.source != moves.target:
+                for _ in range(2 if grad else 1):  # forward there and back; backward the same moves
+                    for way in (moves, moves.inverse):
+                        for r in range(d):
+                            sends = [len(s) for peer, s in enumerate(way.sends(r)) if peer != r]
+                            traffic.add(r, A2A_ATTENTION, sum(sends) * row, sum(1 for s in sends if s))
+        elif isinstance(module, torch.nn.ConvTranspose2d):
+            k, s, dil = module.kernel_size[0], module.stride[0], module.dilation[0]
+            windows = rows.transposed_windows(extents(h), k, s, dil, module.padding[0], module.output_padding[0])
+            known.setdefault(out[-2], [w.outputs for w in windows])
+            halo(HALO_CONV, rows.halo_for(windows), row, grad)
+        elif isinstance(module, (torch.nn.MaxPool2d, torch.nn.AvgPool2d)):
+            pair = lambda v: v if isinstance(v, tuple) else (v, v)  # noqa: E731
+            k, s, p = pair(module.kernel_size)[0], pair(module.stride or module.kernel_size)[0], pair(module.padding)[0]
+            dil = pair(getattr(module, "dilation", 1))[0]
+            windows = rows.pool_windows(extents(h), k, s, dil, p, module.ceil_mode)
+            known.setdefault(out[-2], [w.outputs for w in windows])
+            halo(HALO_POOL, rows.halo_for(windows), row, grad)
+        else:  # Conv2d, PeriodicConv, or a Conv2d with the ZeroPad2d before it folded in
+            conv = periodic.get(module, module)
+            before, after = (1, 1) if module in periodic else conv_padding(conv)[0]
+            if conv in folded:
+                before, after = folded[conv]
+                h -= before + after
+            k, s, dil = conv.kernel_size[0], conv.stride[0], conv.dilation[0]
+            if k == 1 and s == 1 and before == after == 0:
+                continue  # local
+            if s == 1:
+                width = rows.unit_stride_halo(k, dil, before, after)
+            else:
+                windows = rows.conv_windows(extents(h), k, s, dil, before, after)
+                known.setdefault(out[-2], [w.outputs for w in windows])
+                width = rows.halo_for(windows)
+            halo(HALO_CONV, width, row, grad, circular=module not in periodic and conv.padding_mode == "circular")
+    for r in range(d):
+        traffic.add(r, GRADIENTS, gradients)
+    return traffic
+
+
+def _crossformer(shape, pad_lat, pad_lon):
+    """CREDIT's CrossFormer with the 1-degree layers on ``shape``, earth padding ``pad_lat`` x ``pad_lon``."""
+    config = dict(CROSSFORMER_1DEG, pad_lat=pad_lat, pad_lon=pad_lon)
+    return build("crossformer", shape, config)[0]
+
+
+def project(itemsize=4):
+    """Print the projected bytes the busiest rank sends per step, by kind, for D = 2 .. 64, at 1 and 0.25 degrees."""
     for label, (shape, pad_lat, pad_lon) in PROJECTIONS.items():
-        model, seen = layer_shapes(shape, pad_lat, pad_lon)
-        params = sum(p.numel() for p in model.parameters()) * itemsize
+        model = _crossformer(shape, pad_lat, pad_lon)
         hp = shape[0] + sum(pad_lat)
         print(f"CREDIT's CrossFormer at {label}: {shape[0]}x{shape[1]} padded to {hp}x{shape[1] + sum(pad_lon)}, "
-              f"float32, batch 1; bytes the busiest rank sends per step (forward + backward + gradients), projected")
-        print("(all-to-all: the long windows' and the padding's re-distributions; all-reduce: the gradients)")
-        print(f"{'D':>4} {'halo':>12} {'all-to-all':>12} {'all-reduce':>12} {'norm':>10} {'total MiB':>10} "
-              f"{'all-to-all %':>13}  layout")
-        for d in (2, 4, 8, 16, 32, 64):
-            halo, alltoall, norm = [0] * d, [0] * d, [0] * d
-            runnable = d <= hp // 64  # latitude slabs: at most Hp / alignment (64) ranks
-            for module, (b, c, h, w) in seen:
-                extents = balanced_split(h, d)[0]
-                row = b * c * w * itemsize
-                if isinstance(module, torch.nn.GroupNorm):
-                    for r in range(d):
-                        norm[r] += 8 * b * (4 * module.num_groups + 1)
-                elif isinstance(module, torch.nn.Conv2d):
-                    k, s, dil = module.kernel_size[0], module.stride[0], module.dilation[0]
-                    p = module.padding[0] if isinstance(module.padding, tuple) else 0
-                    if k == 1 and s == 1 and p == 0:
-                        continue  # local
-                    if s == 1:
-                        width = rows.unit_stride_halo(k, dil, p, p)
-                    else:
-                        before = max(p, (k - s) // 2)  # CrossEmbed: ZeroPad2d((k - s) // 2) moved into the conv
-                        width = rows.halo_for(rows.conv_windows(extents, k, s, dil, before, before))
-                    for r in range(d):
-                        neighbours = (r > 0) + (r < d - 1)
-                        halo[r] += 2 * neighbours * width * row  # forward, and the adjoint in backward
-                elif module.attn_type == "long" and min(extents) > 0:
-                    try:
-                        move = window_move("long", tuple(extents), module.window_size)
-                    except ValueError:
-                        continue
-                    for r in range(d):
-                        leaving = sum(len(rows_) for peer, rows_ in enumerate(move.sends(r)) if peer != r)
-                        back = sum(len(rows_) for peer, rows_ in enumerate(move.inverse.sends(r)) if peer != r)
-                        alltoall[r] += 2 * (leaving + back) * row  # there and back, forward and backward
-            # TensorPadding: the padded rows dealt into blocks (and back in unpad), forward and backward.
-            field = 7 * (shape[1] + sum(pad_lon)) * itemsize
-            moved = moved_rows([e + (pad_lat[0] if r == 0 else 0) + (pad_lat[1] if r == d - 1 else 0)
-                                for r, e in enumerate(balanced_split(shape[0], d)[0])], balanced_split(hp, d)[0])
-            other = [4 * m * field for m in moved]
-            busiest = max(range(d), key=lambda r: halo[r] + alltoall[r] + other[r] + norm[r])
-            total = halo[busiest] + alltoall[busiest] + other[busiest] + norm[busiest] + params
-            note = "slabs" if runnable else f"more than Hp/64 = {hp // 64} slabs: needs tiles (projected as even rows)"
-            print(f"{d:>4} {halo[busiest]:>12,} {alltoall[busiest] + other[busiest]:>12,} {params:>12,} "
-                  f"{norm[busiest]:>10,} {total / 2**20:>10.2f} {100 * (alltoall[busiest] + other[busiest]) / total:>12.1f}%"
-                  f"  {note}")
+              f"float32, batch 1; bytes the busiest rank sends per step (forward, backward, gradients), projected")
+        print("(halo: convolutions, and the earth padding's; all-to-all: window attention, and the padding's deal "
+              "into blocks; control not projected)")
+        print(f"{'D':>4} {'halo conv':>11} {'halo pad':>10} {'a2a attn':>11} {'a2a pad':>10} {'norm':>7} "
+              f"{'gradients':>11} {'total MiB':>10} {'all-to-all %':>13}  {'sends':>6} {'messages':>9}  layout")
+        for d in DS:
+            traffic = project_traffic(model, (1, 7, 1) + shape, d)
+            r = traffic.busiest()
+            k = traffic.by_kind(r)
+            total = traffic.total(r)
+            a2a = k.get(A2A_ATTENTION, 0) + k.get(A2A_OTHER, 0)
+            calls = sum(v[1] for v in traffic.ranks[r].values())
+            messages = sum(v[2] for lab, v in traffic.ranks[r].items() if lab not in REDUCES)
+            note = "; ".join(sorted(traffic.notes)) or "slabs"
+            print(f"{d:>4} {k.get(HALO_CONV, 0):>11,} {k.get(HALO_OTHER, 0):>10,} {k.get(A2A_ATTENTION, 0):>11,} "
+                  f"{k.get(A2A_OTHER, 0):>10,} {k.get(NORM, 0):>7,} {k.get(GRADIENTS, 0):>11,} "
+                  f"{total / 2**20:>10.2f} {100 * a2a / total:>12.1f}%  {calls:>6} {messages:>9}  {note}")
         print()
+
+
+def quarter_degree_compute(repeats):
+    """Seconds of one D=1 training step of the 0.25-degree CrossFormer on this process (median of ``repeats``)."""
+    shape, pad_lat, pad_lon = PROJECTIONS["0.25 degrees"]
+    torch.set_num_threads(cores())
+    run = Run("crossformer", shape, mpidomain.DomainParallelManager(1, 1, comm=MPI.COMM_SELF),
+              config=dict(CROSSFORMER_1DEG, pad_lat=pad_lat, pad_lon=pad_lon))
+    run.step()  # warm-up
+    return statistics.median(timed(run)[0] for _ in range(repeats))
+
+
+def project_time(args):
+    """Print the projected step time of the 0.25-degree CrossFormer for D = 4 .. 64 on a stated network."""
+    shape, pad_lat, pad_lon = PROJECTIONS["0.25 degrees"]
+    compute, source = args.compute_seconds, "given (--compute-seconds)"
+    if compute is None:
+        compute = quarter_degree_compute(args.repeats)
+        source = f"measured here: D=1 on {cores()} cores, median of {args.repeats} steps"
+    bandwidth, latency = args.bandwidth * 1e9, args.latency * 1e-6
+    model = _crossformer(shape, pad_lat, pad_lon)
+    print(f"CREDIT's CrossFormer at 0.25 degrees ({shape[0]}x{shape[1]}), float32, batch 1: projected step time")
+    print(f"compute at D=1 {compute:.3f} s ({source}), divided by D (perfect scaling); network "
+          f"{args.bandwidth:g} GB/s per rank, {args.latency:g} us per message; no overlap of messages with "
+          f"compute or with each other; the busiest rank")
+    print(f"{'D':>4} {'compute s':>10} {'comm s':>9} {'step s':>9} {'efficiency':>11} {'speed-up':>9} "
+          f"{'comm %':>7} {'a2a % comm':>11} {'latency % comm':>15} {'messages':>9} {'smallest halo':>14}  layout")
+    for d in DS[1:]:
+        traffic = project_traffic(model, (1, 7, 1) + shape, d)
+        r = traffic.busiest()
+        comm, parts, kinds = traffic.seconds(r, bandwidth, latency, CONTROL_CALLS)
+        step = compute / d + comm
+        a2a = kinds.get(A2A_ATTENTION, 0) + kinds.get(A2A_OTHER, 0)
+        messages = sum(v[2] for lab, v in traffic.ranks[r].items() if lab not in REDUCES)
+        smallest = traffic.smallest[r].get(HALO_CONV, 0)
+        note = "; ".join(sorted(traffic.notes)) or "slabs"
+        print(f"{d:>4} {compute / d:>10.4f} {comm:>9.4f} {step:>9.4f} {compute / d / step:>11.2f} "
+              f"{compute / step:>9.1f} {100 * comm / step:>6.1f}% {100 * a2a / comm:>10.1f}% "
+              f"{100 * parts['latency'] / comm:>14.1f}% {messages:>9} {smallest:>12,.0f} B  {note}")
+    print("efficiency: (compute / D) / step; a2a: the window attention's and the padding's all-to-alls; latency: "
+          "the message count times the latency, all-reduces 2 log2(D) latencies each, control steps "
+          f"({CONTROL_CALLS} per step) log2(D) each; smallest halo: the smallest convolution halo message")
 
 
 def main(argv=None):
     args = parse(argv)
     world = MPI.COMM_WORLD
-    if args.bytes:
+    if args.bytes or args.project:
+        flag = "--bytes" if args.bytes else "--project"
         if credit_missing() is not None:
-            print(f"--bytes: skipped, CREDIT's CrossFormer does not import here ({credit_missing()})")
+            print(f"{flag}: skipped, CREDIT's CrossFormer does not import here ({credit_missing()})")
         elif world.rank == 0:
-            project()
+            if args.bytes:
+                project()
+            if args.project:
+                project_time(args)
         return
     names = ("cnn", "crossformer") if args.model == "both" else (args.model,)
     for name in names:

@@ -50,4 +50,27 @@ def test_bench_step_projects_bytes(world):
         return
     rows = [line.split() for line in stdout.splitlines() if line.split() and line.split()[0].isdigit()]
     assert [int(r[0]) for r in rows] == [2, 4, 8, 16, 32, 64] * 2, stdout
-    assert all(r[6].endswith("%") for r in rows), stdout
+    assert all(r[8].endswith("%") for r in rows), stdout
+    # at D=2, 1 degree: the bytes CommStats counts (scripts/bench_step.py; tests/test_comm_stats.py checks them)
+    assert rows[0][1:7] == ["725,408", "544,768", "1,835,008", "0", "1,584", "1,331,496"], stdout
+
+
+def test_bench_step_projects_step_time(world):
+    """--project with a given compute time: one row per D = 4 .. 64, efficiency at most 1 (or CREDIT's skip line)."""
+    pytest.importorskip("torch")
+    result = None
+    if world.rank == 0:
+        result = run_mpi(1, [SCRIPT, "--project", "--compute-seconds", "0.5", "--bandwidth", "10", "--latency", "5"],
+                         timeout=300)
+        result = (result.returncode, result.stdout, result.stderr)
+    code, stdout, stderr = share(world, result)
+    assert code == 0, stderr
+    if "--project: skipped" in stdout:
+        return
+    assert "10 GB/s per rank, 5 us per message" in stdout and "no overlap" in stdout, stdout
+    rows = [line.split() for line in stdout.splitlines() if line.split() and line.split()[0].isdigit()]
+    assert [int(r[0]) for r in rows] == [4, 8, 16, 32, 64], stdout
+    for r in rows:
+        compute, comm, step, efficiency = (float(v) for v in r[1:5])
+        assert compute == pytest.approx(0.5 / int(r[0]), abs=1e-4) and comm > 0, stdout
+        assert step == pytest.approx(compute + comm, abs=2e-4) and 0 < efficiency <= 1, stdout
