@@ -2,11 +2,14 @@
 
 :func:`redistribute` moves the rows of ``x`` along one dim the manager shards
 (latitude or longitude; with tiles, within this rank's column or band of
-tiles) from the move's source layout to its target layout. Each rank packs the
-rows for each peer (in the target's order) into one contiguous buffer, one
-``MPI_Alltoallv`` over the manager's private communicator moves them (counted
-in rows of one contiguous datatype, so no count overflows), and the received
-rows are put in the target's local order. Device arrays go through
+tiles) from the move's source layout to its target layout; with tiles, a pair
+of moves re-deals both dims at once, in one all-to-all over the domain group
+(each pixel goes straight to the rank that holds its row and its column in the
+targets, so a pixel that changes both travels once). Each rank packs the rows
+(or pixels) for each peer, in the target's order, into one contiguous buffer,
+one ``MPI_Alltoallv`` over the manager's private communicator moves them
+(counted in rows of one contiguous datatype, so no count overflows), and the
+received rows are put in the target's local order. Device arrays go through
 :func:`mpidomain.transport.transport_for` like every other collective.
 
 The move (pure, immutable, from :mod:`mpidomain.redistribution_layout`) is the
@@ -19,6 +22,7 @@ any byte moves. The adjoint of a move is its inverse (a permutation of rows):
 """
 
 import functools
+import itertools
 import math
 
 import numpy as np
@@ -41,36 +45,54 @@ def _sharded(manager, ndim):
     return {d % ndim: name for d, name in zip(manager.shard_dims, names) if -ndim <= d < ndim}
 
 
+def _pair(manager, shape, move, dim):
+    """Both dims of tiles at once: ((lat dim, lon dim), (lat move, lon move)); ValueError naming the fix."""
+    if not manager.tiled or not isinstance(move, (tuple, list)) or len(move) != 2 or len(dim) != 2:
+        raise ValueError(f"redistribute moves rows along one dim, or with tiles along both sharded dims at once "
+                         f"(dim=(lat, lon) with a pair of moves), got dim={dim!r} with "
+                         f"{'a pair of moves' if isinstance(move, (tuple, list)) else 'one move'} on a manager with "
+                         f"domain_shape {manager.domain_shape}; call it once per dim")
+    dims = tuple(normalize_dim(d, shape) for d in dim)
+    sharded = tuple(d % len(shape) for d in manager.shard_dims)
+    if dims != sharded or dims[1] != dims[0] + 1:
+        raise ValueError(f"redistribute: dim={tuple(dim)} must be the manager's two sharded dims in its order "
+                         f"(shard_dim={manager.shard_dim}), adjacent in x; otherwise call it once per dim")
+    return dims, tuple(move)
+
+
 def _describe(x, move, dim, manager):
     """What this rank passed (alike on every rank) and the group name; TypeError/ValueError for a local mistake."""
-    if not isinstance(move, RowMove):
-        raise TypeError(f"move must be a mpidomain.redistribution_layout.RowMove, got {type(move).__name__}; "
-                        "make one with window_move or RowMove(source, target)")
+    moves = tuple(move) if isinstance(move, (tuple, list)) else (move,)
+    if not moves or not all(isinstance(m, RowMove) for m in moves):
+        raise TypeError(f"move must be a mpidomain.redistribution_layout.RowMove (or, with tiles, a pair of them), "
+                        f"got {type(move).__name__}; make one with window_move or RowMove(source, target)")
     spec = devices.array_spec(x)
-    if isinstance(dim, (tuple, list)):
-        raise ValueError(f"redistribute moves rows along one dim at a time, got dim={dim!r}; with tiles call it "
-                         "once per dim, e.g. dim=-2 then dim=-1")
     if getattr(x, "requires_grad", False) is True:
         raise TypeError("redistribute is not differentiable; for a tensor that requires grad use "
                         "mpidomain.nn.Redistribute (its backward moves the gradient back), or pass x.detach()")
     shape = tuple(int(n) for n in x.shape)
-    dim = normalize_dim(dim, shape)
     sharded = _sharded(manager, len(shape))
-    if dim not in sharded:
-        raise ValueError(f"redistribute: dim={dim} of a {len(shape)}-d array is not a dim the manager shards "
-                         f"(shard_dim={manager.shard_dim}); pass one of {sorted(sharded)}")
-    group = sharded[dim]
-    comm = library_comm(manager, group)
-    if move.size != comm.Get_size():
-        raise ValueError(f"redistribute: the move deals rows over {move.size} ranks, but {comm.Get_size()} ranks "
-                         f"share dim {dim}; make the move for that many ranks")
-    rank = comm.Get_rank()
-    if shape[dim] != move.source.extents[rank]:
-        raise ValueError(f"redistribute: x has {shape[dim]} rows along dim {dim}, but the move's source layout gives "
-                         f"this rank (rank {rank} of the {group} group) {move.source.extents[rank]}; pass the "
-                         "shard the move was made for")
+    if isinstance(dim, (tuple, list)) or isinstance(move, (tuple, list)):
+        dims, moves = _pair(manager, shape, move, dim if isinstance(dim, (tuple, list)) else (dim,))
+        group, coords, sizes = "domain", tuple(manager.domain_coords), tuple(manager.domain_shape)
+    else:
+        dims = (normalize_dim(dim, shape),)
+        if dims[0] not in sharded:
+            raise ValueError(f"redistribute: dim={dims[0]} of a {len(shape)}-d array is not a dim the manager shards "
+                             f"(shard_dim={manager.shard_dim}); pass one of {sorted(sharded)}")
+        group = sharded[dims[0]]
+        comm = library_comm(manager, group)
+        coords, sizes = (comm.Get_rank(),), (comm.Get_size(),)
+    for d, m, coord, size in zip(dims, moves, coords, sizes):
+        if m.size != size:
+            raise ValueError(f"redistribute: the move deals rows over {m.size} ranks, but {size} ranks share dim "
+                             f"{d}; make the move for that many ranks")
+        if shape[d] != m.source.extents[coord]:
+            raise ValueError(f"redistribute: x has {shape[d]} rows along dim {d}, but the move's source layout gives "
+                             f"this rank (rank {coord} of the {group if len(dims) == 1 else 'domain'} group along "
+                             f"that dim) {m.source.extents[coord]}; pass the shard the move was made for")
     others = tuple(None if i in sharded else n for i, n in enumerate(shape))
-    return (_code(move), dim, spec, others), group
+    return (tuple(_code(m) for m in moves), dims, spec, others), (group, moves, coords)
 
 
 _code = functools.lru_cache(maxsize=256)(digest)  # a move's digest, once per move (hashing it is cheap)
@@ -83,12 +105,20 @@ def redistribute(x, move, dim=None, *, manager=None):
     (a :class:`~mpidomain.redistribution_layout.RowMove` over the ranks that
     share ``dim``: all of them with slabs; with tiles, the ranks of this rank's
     column of tiles for latitude, of its band for longitude), ``dim`` (default
-    the manager's ``shard_dim``; with tiles pass one of its two dims) and dtype.
+    the manager's ``shard_dim``; with tiles one of its two dims, or both) and dtype.
     Each rank passes its rows in the move's source layout and gets a new array
     of ``x``'s kind, dtype and device holding its rows of the target layout, in
-    that layout's local order (extents elsewhere unchanged). Not differentiable:
-    :class:`mpidomain.nn.Redistribute` is. A mismatch on any rank raises on every
-    rank, before any rows move.
+    that layout's local order (extents elsewhere unchanged).
+
+    With tiles, ``move=(lat_move, lon_move)`` and ``dim`` the manager's two
+    sharded dims (e.g. ``(-2, -1)``) re-deal both at once: one all-to-all over
+    the domain group, each rank getting the target rows of its tile column
+    crossed with the target columns of its tile row. It gives the same array as
+    the two moves one after the other, and sends fewer bytes (a pixel that
+    changes both its row's and its column's rank travels once, not twice).
+
+    Not differentiable: :class:`mpidomain.nn.Redistribute` is. A mismatch on
+    any rank raises on every rank, before any rows move.
 
     For example, on two slabs of an 8-row field (rows 0-3 and 4-7),
     ``redistribute(x, window_move("long", (4, 4), 2), -2)`` gives rank 0 rows
@@ -97,32 +127,54 @@ def redistribute(x, move, dim=None, *, manager=None):
     """
     manager = require_manager(manager, "redistribute")
     domain = library_comm(manager)
-    description, group, error = None, None, None
+    description, route, error = None, None, None
     try:
-        description, group = _describe(x, move, manager.shard_dim if dim is None else dim, manager)
+        description, route = _describe(x, move, manager.shard_dim if dim is None else dim, manager)
     except (TypeError, ValueError) as exc:
         error = exc
     agree(domain, "redistribute", description, error=error)
-    return _move(library_comm(manager, group), x, move, description[1])
+    group, moves, coords = route
+    return _move(library_comm(manager, group), x, moves, coords, description[1])
+
+
+def _flat(rows, extents):
+    """The flat (row-major) local indices of the pixels ``rows[0] x rows[1] x ...`` of a block of ``extents``."""
+    if len(rows) == 1:
+        return list(rows[0])
+    grid = np.meshgrid(*(np.asarray(r, dtype=np.int64) for r in rows), indexing="ij")
+    return np.ravel_multi_index(grid, extents).ravel().tolist() if grid[0].size else []
 
 
 @functools.lru_cache(maxsize=128)
-def _indices(move, rank):
-    """(rows to send in peer order, rows sent per peer, how to reorder the received rows, rows received per peer)."""
-    sends, receives = move.sends(rank), move.receives(rank)
-    landing = [local for rows in receives for local in rows]
+def _indices(moves, coords):
+    """(pixels to send in peer order, pixels sent per peer, how to reorder the received ones, received per peer).
+
+    A pixel is one row (one move) or one (row, column) pair (a pair of moves);
+    the peers run row-major over the moves' ranks (the domain ranks of tiles).
+    """
+    sends = [m.sends(c) for m, c in zip(moves, coords)]
+    receives = [m.receives(c) for m, c in zip(moves, coords)]
+    source = tuple(m.source.extents[c] for m, c in zip(moves, coords))
+    target = tuple(m.target.extents[c] for m, c in zip(moves, coords))
+    send_index, send_counts, landing, recv_counts = [], [], [], []
+    for peer in itertools.product(*(range(m.size) for m in moves)):
+        block = _flat([s[p] for s, p in zip(sends, peer)], source)
+        send_index += block
+        send_counts.append(len(block))
+        block = _flat([r[p] for r, p in zip(receives, peer)], target)
+        landing += block
+        recv_counts.append(len(block))
     reorder = np.empty(len(landing), dtype=np.int64)
-    reorder[landing] = np.arange(len(landing))  # received row k lands at landing[k]
-    send_index = np.array([local for rows in sends for local in rows], dtype=np.int64)
-    return send_index, tuple(len(r) for r in sends), reorder, tuple(len(r) for r in receives)
+    reorder[landing] = np.arange(len(landing))  # received pixel k lands at landing[k]
+    return np.array(send_index, dtype=np.int64), tuple(send_counts), reorder, tuple(recv_counts)
 
 
 @functools.lru_cache(maxsize=128)
-def _device_indices(move, rank, device):
+def _device_indices(moves, coords, device):
     """:func:`_indices` as Torch tensors on ``device``."""
     import torch
 
-    send_index, send_counts, reorder, recv_counts = _indices(move, rank)
+    send_index, send_counts, reorder, recv_counts = _indices(moves, coords)
     return torch.as_tensor(send_index, device=device), send_counts, torch.as_tensor(reorder, device=device), recv_counts
 
 
@@ -138,32 +190,35 @@ def _take(x, index, dim):
     return np.ascontiguousarray(np.moveaxis(x, dim, 0)[index])
 
 
-def _put_back(rows, dim):
-    """``rows`` (rows first) with the rows moved back to ``dim``, C-contiguous."""
+def _put_back(rows, dim, extents):
+    """``rows`` (pixels first) with the pixels back at ``dim`` as ``extents`` (one or two dims), C-contiguous."""
     kind = devices.array_kind(rows)
+    shape = tuple(rows.shape[1:dim + 1]) + tuple(extents) + tuple(rows.shape[dim + 1:])
     if kind == "torch":
-        return rows.movedim(0, dim).contiguous()
+        return rows.movedim(0, dim).reshape(shape).contiguous()
     if kind == "cupy":
         import cupy
 
-        return cupy.ascontiguousarray(cupy.moveaxis(rows, 0, dim))
-    return np.ascontiguousarray(np.moveaxis(rows, 0, dim))
+        return cupy.ascontiguousarray(cupy.moveaxis(rows, 0, dim)).reshape(shape)
+    return np.ascontiguousarray(np.moveaxis(rows, 0, dim)).reshape(shape)
 
 
-def _move(comm, x, move, dim):
-    """The all-to-all of :func:`redistribute` over ``comm`` (its checks done)."""
-    rank = comm.Get_rank()
+def _move(comm, x, moves, coords, dims):
+    """The all-to-all of :func:`redistribute` over ``comm`` (its checks done): ``moves`` along ``dims`` (adjacent)."""
     kind = devices.array_kind(x)
+    dim = dims[0]
     if kind == "torch":
         x = x.detach()
-        send_index, send_counts, reorder, recv_counts = _device_indices(move, rank, x.device)
+        send_index, send_counts, reorder, recv_counts = _device_indices(moves, coords, x.device)
     else:
-        send_index, send_counts, reorder, recv_counts = _indices(move, rank)
+        send_index, send_counts, reorder, recv_counts = _indices(moves, coords)
+    if len(dims) > 1:  # the two dims as one of pixels (a view where x allows it)
+        x = x.reshape(tuple(x.shape[:dim]) + (-1,) + tuple(x.shape[dims[-1] + 1:]))
     rest = tuple(int(n) for n in x.shape[:dim] + x.shape[dim + 1:])
     send = _take(x, send_index, dim)
     received = devices.empty((sum(recv_counts),) + rest, like=x)
     row_bytes = math.prod(rest) * devices.numpy_dtype(x).itemsize
-    if row_bytes and len(move.source.order):  # alike on every rank: the rows' extents outside dim were agreed
+    if row_bytes and all(len(m.source.order) for m in moves):  # alike on every rank: agreed extents
         MPI = mpi()
         row = MPI.BYTE.Create_contiguous(row_bytes).Commit()
         try:
@@ -182,4 +237,4 @@ def _move(comm, x, move, dim):
                     comm_stats.waited(comm_stats.clock() - began)
         finally:
             row.Free()
-    return _put_back(_take(received, reorder, 0), dim)
+    return _put_back(_take(received, reorder, 0), dim, tuple(m.target.extents[c] for m, c in zip(moves, coords)))

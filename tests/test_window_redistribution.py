@@ -112,6 +112,67 @@ def test_redistribute_equals_the_global_reference(world, kind, window, shape):
     assert not problems, problems
 
 
+@pytest.mark.parametrize("kind, window, shape", CASES)
+def test_both_dims_of_tiles_at_once(world, kind, window, shape):
+    """With tiles, a pair of moves equals the two moves in turn (NumPy and Torch), its inverse brings the rows back,
+    autograd's gradient is the inverse pair, and it sends no more bytes than the two moves (fewer when both move)."""
+    from mpidomain.nn import CommStats
+
+    if world.size != 4:
+        pytest.skip("2 x 2 tiles need 4 ranks")
+    problems = []
+    rng = np.random.default_rng(11)
+    full = rng.standard_normal(shape)
+    with DomainParallelManager(4, (2, 2), (-2, -1)) as manager:
+        moves = moves_for(manager, shape, kind, window)
+        pair, dims = tuple(move for _, move in moves), (-2, -1)
+        inverse = tuple(move.inverse for move in pair)
+        for make in (np.array, torch.from_numpy):
+            x = make(np.ascontiguousarray(shard_of(full, manager)))
+            with CommStats(manager) as once:
+                y = redistribute(x, pair, dims, manager=manager)
+            with CommStats(manager) as twice:
+                z = x
+                for dim, move in moves:
+                    z = redistribute(z, move, dim, manager=manager)
+            if type(y) is not type(z) or tuple(y.shape) != tuple(z.shape) or not (y == z).all():
+                problems.append(f"{make.__name__}: the pair differs from the two moves")
+            if not (redistribute(y, inverse, dims, manager=manager) == x).all():
+                problems.append(f"{make.__name__}: the inverse pair does not bring the rows back")
+            sent = tuple(sum(v for k, v in stats.by_kind.items() if k.startswith("all-to-all"))
+                         for stats in (once, twice))
+            if sent[0] > sent[1]:
+                problems.append(f"{make.__name__}: the pair sent {sent[0]} bytes, the two moves {sent[1]}")
+        x = torch.from_numpy(np.ascontiguousarray(shard_of(full, manager))).requires_grad_()
+        y = Redistribute(pair, dims, manager)(x)
+        probe = torch.from_numpy(rng.standard_normal(tuple(y.shape)))
+        (y * probe).sum().backward()
+        if not torch.equal(x.grad, redistribute(probe, inverse, dims, manager=manager)):
+            problems.append("autograd's gradient is not the inverse pair")
+        totals = world.allgather(sent)
+        if kind == "long" and shape[-2] >= 4 * window and sum(a for a, _ in totals) >= sum(b for _, b in totals):
+            problems.append(f"the pair saved no bytes where both dims move: {totals}")
+    everyone = world.allgather(problems)
+    assert not any(everyone), everyone
+
+
+def test_a_pair_of_moves_needs_tiles(world):
+    """A pair of moves on slabs, or with one dim, raises the same ValueError on every rank."""
+    messages = []
+    with DomainParallelManager(world.size, world.size) as manager:
+        move = window_move("long", balanced_split(8, world.size)[0], 2)
+        for dim in ((-2, -1), -2):
+            try:
+                redistribute(np.zeros((2, balanced_split(8, world.size)[0][manager.domain_rank], 4)), (move, move),
+                             dim, manager=manager)
+                messages.append(None)
+            except ValueError as error:
+                messages.append(str(error))
+    everyone = world.allgather(messages)
+    assert all(m is not None and "call it once per dim" in m for m in messages), messages
+    assert all(theirs == everyone[0] for theirs in everyone), everyone
+
+
 def attention_twins(kind, window, dim=16):
     """CREDIT's CrossFormer Attention on one process and a copy to wrap, with the same parameters, float64."""
     crossformer = pytest.importorskip("credit_crossformer").crossformer()

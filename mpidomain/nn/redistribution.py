@@ -24,7 +24,12 @@ class _RedistributeFunction(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
         move, dim, manager = ctx.arguments
-        return redistribute(grad.contiguous(), move.inverse, dim, manager=manager), None, None, None
+        return redistribute(grad.contiguous(), inverse_move(move), dim, manager=manager), None, None, None
+
+
+def inverse_move(move):
+    """The move back: ``move.inverse``, or the pair of inverses of a pair of moves (tiles, both dims at once)."""
+    return tuple(m.inverse for m in move) if isinstance(move, tuple) else move.inverse
 
 
 class Redistribute(torch.nn.Module):
@@ -34,18 +39,23 @@ class Redistribute(torch.nn.Module):
     with its rows in ``move.source``'s layout and gets its rows of
     ``move.target`` (see :func:`mpidomain.redistribution.redistribute`).
 
-    :param move: A :class:`~mpidomain.redistribution_layout.RowMove` over the ranks that share ``dim``.
-    :param dim: A dim the manager shards (with tiles, -2 or -1).
+    :param move: A :class:`~mpidomain.redistribution_layout.RowMove` over the ranks that share ``dim``; with
+        tiles, a pair of them (latitude's, longitude's) to re-deal both dims in one all-to-all.
+    :param dim: A dim the manager shards (with tiles, -2 or -1, or both: ``(-2, -1)`` with a pair of moves).
     :param manager: Default: the global manager from ``initialize_domain_parallel``.
     """
 
     def __init__(self, move, dim, manager=None):
         super().__init__()
-        self.move, self.dim, self.manager = move, dim, manager
+        self.move = tuple(move) if isinstance(move, (tuple, list)) else move
+        self.dim = tuple(dim) if isinstance(dim, (tuple, list)) else dim
+        self.manager = manager
 
     def forward(self, x):
         """Return this rank's rows of ``x`` in the target layout (see the class docstring)."""
         return _RedistributeFunction.apply(x, self.move, self.dim, self.manager)
 
     def extra_repr(self):
-        return f"dim={self.dim}, ranks={self.move.size}, rows={len(self.move.source.order)}"
+        moves = self.move if isinstance(self.move, tuple) else (self.move,)
+        return (f"dim={self.dim}, ranks={'x'.join(str(m.size) for m in moves)}, "
+                f"rows={'x'.join(str(len(m.source.order)) for m in moves)}")

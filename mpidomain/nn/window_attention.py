@@ -3,7 +3,7 @@
 Every window of a windowed attention is independent, so the wrapped module's
 own forward is exact on any local field that holds whole windows in the order
 its rearrange expects. :class:`DomainParallelWindowAttention` re-deals the rows
-of each sharded dim (one all-to-all along each, :class:`~mpidomain.nn.Redistribute`)
+of the sharded dims (one all-to-all, over both dims of tiles at once, :class:`~mpidomain.nn.Redistribute`)
 so that every rank holds whole windows, runs the module unchanged, and sends
 the output rows back to their owners; backward is the exact adjoint. Short-range
 windows (``"short"``: ``window`` neighbouring rows) and long-range ones
@@ -24,7 +24,7 @@ from .._validate import is_int
 from ..manager import library_comm
 from ..redistribution_layout import WINDOW_KINDS, window_move
 from ._shard import Wrapper, layer_extents, place, shard_dims
-from .redistribution import Redistribute
+from .redistribution import Redistribute, inverse_move
 
 __all__ = ["DomainParallelWindowAttention", "WindowAttentionSpec", "window_attention_spec"]
 
@@ -69,8 +69,10 @@ class DomainParallelWindowAttention(Wrapper):
     (blocks of whole windows for ``"short"``; whole long-range groups, ``l1``-major,
     for ``"long"``: :mod:`mpidomain.redistribution_layout`), the wrapped module's
     own forward runs on them, and the output rows return to their owners
-    (one all-to-all per sharded dim each way; none along a dim whose shards
-    already hold whole windows in order, e.g. short windows on aligned shards).
+    (one all-to-all each way: along the one dim that needs it, or with tiles
+    over both dims at once, each pixel sent straight to its window's rank;
+    none along a dim whose shards already hold whole windows in order, e.g.
+    short windows on aligned shards).
     A rank dealt no window (more ranks than windows along a dim) runs the module
     on an empty batch, so its parameter gradients are zeros, not None. Parameter gradients are this rank's share:
     sum them over the domain group (``allreduce_gradients(..., group="domain",
@@ -144,11 +146,13 @@ class DomainParallelWindowAttention(Wrapper):
                 moves.append((dim, move))
         if error is not None:  # the same on every rank (the extents were gathered), settled before raising
             agree(library_comm(manager), _NAME + " layout", None, error=error)
+        if len(moves) == 2 and moves[1][0] == moves[0][0] + 1:  # tiles, both dims: one all-to-all, not two
+            moves = [(tuple(dim for dim, _ in moves), tuple(move for _, move in moves))]
         for dim, move in moves:
             x = Redistribute(move, dim, manager)(x)
         y = self._run(x)
         for dim, move in reversed(moves):
-            y = Redistribute(move.inverse, dim, manager)(y)
+            y = Redistribute(inverse_move(move), dim, manager)(y)
         return y
 
     def _run(self, x):
