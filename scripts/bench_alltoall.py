@@ -8,8 +8,8 @@ install line where CREDIT is missing) converted on latitude x longitude tiles. O
 records every ``DomainParallelWindowAttention`` call (its kind, window and this rank's input shape);
 then, for each, the bytes this rank sends (:class:`mpidomain.nn.CommStats`) for the move that deals
 whole windows out and its inverse, done two ways: one all-to-all over both dims (``redistribute`` with
-a pair of moves: what the layer does) and one along latitude then one along longitude. Forward and backward each make the move and its inverse, so a step sends twice each row's
-sum. The last line checks the sum of the pair column against CommStats of a real training step.
+a pair of moves: what the layer does) and one along latitude then one along longitude. Forward and
+backward each make the move and its inverse, so a step sends twice each row's sum. The last line checks the sum of the pair column against CommStats of a real training step.
 Counts are exact (no timing).
 """
 
