@@ -1,12 +1,15 @@
 """The agreement step: every entry point that communicates starts by settling the call on every rank.
 
-:func:`agree` (and :class:`Agreement`, the same in two halves) costs one
-non-blocking Allreduce of a few integers when the ranks agree; otherwise every
-rank raises alike, naming the ranks in different calls, using different
-managers (through ``_routing.py``'s shared communicators) or passing different
-arguments. Messages a call started ahead of its agreement
-(:class:`AheadMessages`) are settled on every rank when it fails. The top of
-the collective helpers: it uses ``_waits.py``, ``_errors.py`` and ``_routing.py``.
+:func:`agree` is the package's one collective check: a local mistake on any
+rank, ranks in different calls, using different managers (through
+``_routing.py``'s shared communicators) or passing different arguments raise
+alike on every rank; :func:`must_match` words the "must be the same on every
+rank" error for a value that must match. It costs one non-blocking Allreduce
+of a few integers when the ranks agree. :class:`Agreement` is the same in two
+halves, restartable, for the halo exchange's cache-hit path. Messages a call
+started ahead of its agreement (:class:`AheadMessages`) are settled on every
+rank when it fails. The top of the collective helpers: it uses ``_waits.py``,
+``_errors.py`` and ``_routing.py``.
 """
 
 import time
@@ -14,7 +17,7 @@ import time
 import numpy as np
 
 from . import comm_stats
-from ._errors import digest, raise_on_all_ranks, rank_ranges
+from ._errors import digest, error_report, raise_reported, rank_ranges
 from ._mpi import mpi
 from ._routing import route, routed_comm
 from ._waits import TIMED_OUT, group_name, timeout_error, timeout_seconds, wait_requests, wait_with_deadline, yield_core
@@ -137,7 +140,7 @@ class Agreement:
             if error is not None:
                 raise error
             return any_flag
-        everyone = comm.allgather((call, description, error is not None, self._owner))
+        everyone = comm.allgather((call, description, error_report(error), self._owner))
         owners = {}
         for rank, (c, _, _, owner) in enumerate(everyone):
             owners.setdefault(owner, []).append(rank)
@@ -157,8 +160,7 @@ class Agreement:
                 "same collective calls in the same order: look for a call only some ranks make (under an if on "
                 "the rank, or skipped by an exception)"
             )
-        if any(failed for _, _, failed in everyone):
-            raise_on_all_ranks(comm, error)
+        raise_reported([report for _, _, report in everyone], error)  # the local errors first, alike everywhere
         descriptions = [d for _, d, _ in everyone]
         if self._mismatch is not None:
             raise self._mismatch(descriptions)
@@ -233,14 +235,19 @@ def _drop_message(comm, source, tag, call):
 def agree(comm, call, description, flag=False, error=None, mismatch=None, token=0, code=None):
     """Settle one collective call on every rank of ``comm``: return ``flag`` set on any rank, or raise on all.
 
-    Collective: every entry point that communicates starts with it, so a
-    rank that skipped or reordered a call meets the others here. Costs one
-    Allreduce of five integers when the ranks agree. ``call`` names the
-    entry point, ``description`` what this rank passed (picklable, compared
-    with ==), ``error`` this rank's local problem or None. Otherwise every
-    rank raises: RuntimeError if the ranks are in different calls; the local
-    errors as :func:`raise_on_all_ranks` does; else ``mismatch(descriptions)``
-    (one per rank) returns the exception, default a ValueError listing them.
+    The package's one collective check. Collective: every entry point that
+    communicates starts with it, so a rank that skipped or reordered a call
+    meets the others here; a later step of a call that can fail on some ranks
+    only (``description`` None, ``error`` the local failure) ends with it too.
+    Costs one Allreduce of seven integers when the ranks agree, bounded by
+    :func:`timeout_seconds`. ``call`` names the entry point, ``description``
+    what this rank passed (picklable, compared by its ``repr``), ``error``
+    this rank's local problem or None. Otherwise every rank raises:
+    RuntimeError if the ranks are in different calls; the local errors
+    (the lowest failing rank's type, unless every rank raised the same error:
+    then that one; a message listing each failing rank's error); else
+    ``mismatch(descriptions)`` (one per rank) returns the exception, default a
+    ValueError listing them (:func:`must_match` words one for a value).
     Ranks passing different int ``token`` values also return True: e.g. a
     cache hit on every rank, but on plans that were not built together.
     ``code``, for a call made again and again, is
@@ -248,3 +255,14 @@ def agree(comm, call, description, flag=False, error=None, mismatch=None, token=
     :class:`Agreement` is the same in two halves.
     """
     return Agreement(comm, call, description, flag, error, mismatch, token, code).result()
+
+
+def must_match(what, fix=""):
+    """Return the ``mismatch`` for :func:`agree` on a value that must match: a ValueError naming ``what`` and ``fix``.
+
+    ``"{what} must be the same on every rank, got rank 0: ..., rank 1: .... {fix}"``.
+    """
+    def mismatch(values):
+        listing = ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values))
+        return ValueError(f"{what} must be the same on every rank, got {listing}. {fix}".rstrip())
+    return mismatch

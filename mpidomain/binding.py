@@ -14,7 +14,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Optional
 
-from ._errors import check_same, raise_on_all_ranks
+from ._agreement import agree, must_match
 from ._mpi import mpi
 
 __all__ = ["DeviceBinding", "bind_device"]
@@ -162,11 +162,10 @@ def _shared(reports, policy):
 
 def _bind(policy, comm, local_rank, local_size, node_index, devices):
     """Collective core of :func:`bind_device`: choose, select, gather, warn."""
-    raise_on_all_ranks(comm, _policy_error(policy))
-    check_same(comm, list(policy) if isinstance(policy, tuple) else policy, "bind_device",
-               "pass the same policy on every rank")
+    agree(comm, "bind_device", list(policy) if isinstance(policy, tuple) else policy, error=_policy_error(policy),
+          mismatch=must_match("bind_device", "pass the same policy on every rank"))
     index, error = _choose(policy, local_rank, local_size, devices)
-    raise_on_all_ranks(comm, error)
+    agree(comm, "bind_device", None, error=error)
     identity = ""
     if index is not None:
         if policy != "none":

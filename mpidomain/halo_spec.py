@@ -17,6 +17,7 @@ from . import devices
 from ._agreement import agree
 from ._waits import allgather_ints
 from ._validate import normalize_dim, require_int
+from .manager import sharded_dims
 
 __all__ = ["HaloSpec", "describe", "group_mismatch", "agree_inputs", "check_tiles"]
 
@@ -119,11 +120,9 @@ def describe(x, halo_width, dim, periodic, manager, boundary=None):
         raise ValueError(f"dim={dim!r} names a dim twice; pass distinct dims, e.g. (-2, -1)")
     widths = _per_dim("halo_width", halo_width, len(dims), _width)
     wraps = _per_dim("periodic", periodic, len(dims), _wraps)
-    sharded = []
+    sharded = [s.dim for s in sharded_dims(manager, ndim)]
     for d, parts in zip(manager.shard_dims, manager.domain_shape):
-        if -ndim <= d < ndim:
-            sharded.append(d % ndim)
-        elif parts > 1:
+        if parts > 1 and not -ndim <= d < ndim:  # a dim the manager splits that x lacks
             raise ValueError(f"the manager shards dim {d}, which a {ndim}-d array of shape {shape} does not have; "
                              "pass arrays with the sharded dims")
     if boundary == "earth":
@@ -166,7 +165,11 @@ def group_mismatch(everyone):
 
 def agree_inputs(comm, call, mine, error):
     """Agree on the ranks' :class:`HaloSpec` ``mine`` (None after a local ``error``) for ``call``, or raise on
-    every rank; one Allreduce."""
+    every rank; one Allreduce.
+
+    A thin alias of the one collective check, kept for ``halo.py``'s caller: it is
+    ``agree(comm, call, mine.signature(), error=error, mismatch=group_mismatch)``; call that directly.
+    """
     agree(comm, call, None if mine is None else mine.signature(), False, error, group_mismatch)
 
 
@@ -181,21 +184,20 @@ def check_tiles(comm, mine, manager, call):
     pads its own extent, else all ranks must share it.
     """
     everyone = allgather_ints(comm, mine.extents, call)
-    ndim = mine.ndim
-    along = {d % ndim: k for k, d in enumerate(manager.shard_dims) if -ndim <= d < ndim}
+    along = {s.dim: s for s in sharded_dims(manager, mine.ndim)}
     travels = any(h for d, h in zip(mine.dims, mine.widths) if d in along)
     one = len(mine.exchanged) == 1
     extents, problems = [], []
     for j, d in enumerate(mine.dims):
         listing = ", ".join(f"rank {r}: {e[j]}" for r, e in enumerate(everyone))
-        k = along.get(d)
-        if k is None and not travels:  # a local pad: each rank's own extent
+        split = along.get(d)
+        if split is None and not travels:  # a local pad: each rank's own extent
             sizes = [mine.extents[j]]
             smallest = min(e[j] for e in everyone)
         else:
-            sizes = [None] * (manager.domain_shape[k] if k is not None else 1)
+            sizes = [None] * (split.parts if split is not None else 1)
             for rank, extent in enumerate(everyone):
-                c = manager.domain_coords_of(rank)[k] if k is not None else 0
+                c = manager.domain_coords_of(rank)[split.axis] if split is not None else 0
                 if sizes[c] is None:
                     sizes[c] = extent[j]
                 elif sizes[c] != extent[j]:
@@ -214,5 +216,5 @@ def check_tiles(comm, mine, manager, call):
         extents.append(tuple(sizes))
     if problems:
         raise ValueError(("" if one else "halo exchange on tiles: ") + "; ".join(problems))
-    coords = tuple(manager.domain_coords[along[d]] if d in along else 0 for d in mine.dims)
+    coords = tuple(along[d].coord if d in along else 0 for d in mine.dims)
     return tuple(extents), coords

@@ -20,12 +20,14 @@ and with ``tensor_parallel_size=2`` as well::
 import logging
 import math
 import warnings
+from typing import NamedTuple
 
 from . import abort, binding
 from . import torch_bridge as bridge
 from ._current import closed_error, current_manager, forget, make_current
 from ._exit import stands_down_at_exit
-from ._errors import check_same, rank_ranges
+from ._agreement import agree, must_match
+from ._errors import rank_ranges
 from ._mpi import is_active, mpi
 from ._routing import share_agreements, unshare_agreements
 from ._waits import forget_timeout
@@ -149,10 +151,12 @@ class DomainParallelManager:
             )
         error = (_argument_error(world_size, domain_parallel_size, shard_dim, comm.Get_size(), tensor_parallel_size)
                  or binding._policy_error(bind_device))
-        check_same(comm, (world_size, _plain(domain_parallel_size), _plain(shard_dim), tensor_parallel_size,
-                          bool(torch_bridge), _plain(bind_device)),
-                   "(world_size, domain_parallel_size, shard_dim, tensor_parallel_size, torch_bridge, bind_device)",
-                   "Pass the same values everywhere.", error=error, call="DomainParallelManager")
+        agree(comm, "DomainParallelManager",
+              tuple(_plain(v) for v in (world_size, domain_parallel_size, shard_dim, tensor_parallel_size,
+                                         bool(torch_bridge), bind_device)),
+              error=error, mismatch=must_match(
+                  "(world_size, domain_parallel_size, shard_dim, tensor_parallel_size, torch_bridge, bind_device)",
+                  "Pass the same values everywhere."))
         self.torch_bridge = bool(torch_bridge)
         self._torch_default_group = bridge.acquire_default_group(comm) if self.torch_bridge else None
 
@@ -511,9 +515,38 @@ def library_comm(manager, group="domain"):
     return manager.library_comm(group)
 
 
-def _plain(policy):
-    """A device policy as comparable across ranks (tuples and lists alike)."""
-    return list(policy) if isinstance(policy, tuple) else policy
+class ShardedDim(NamedTuple):
+    """One dim of an array that a manager shards (see :func:`sharded_dims`)."""
+
+    dim: int        # the dim of the array, normalised (0 to ndim - 1)
+    shard_dim: int  # the manager's own spelling of it, e.g. -2
+    axis: int       # its place among the manager's sharded dims: 0 latitude, 1 longitude (tiles)
+    parts: int      # the number of tiles (slabs) along it
+    coord: int      # this rank's tile coordinate along it
+    group: str      # the library_comm group of the ranks that share it: "domain" for slabs, "column"/"band" for tiles
+
+
+def sharded_dims(manager, ndim):
+    """Return the dims of an ``ndim``-d array that ``manager`` shards, as :class:`ShardedDim`, in the manager's order.
+
+    The one answer to "which dims of x does the manager shard": the manager's
+    ``shard_dims`` that an ``ndim``-d array has (a dim it lacks is left out; the
+    caller decides whether that is a mistake), each with its number of parts,
+    this rank's coordinate and the group of ranks along it (tiles: latitude moves
+    within a column of tiles, longitude within a band). Local.
+    """
+    groups = ("column", "band") if manager.tiled else ("domain",)
+    coords = manager.domain_coords
+    return tuple(ShardedDim(d % ndim, d, k, parts, coords[k], groups[k])
+                 for k, (d, parts) in enumerate(zip(manager.shard_dims, manager.domain_shape)) if -ndim <= d < ndim)
+
+
+def _plain(value):
+    """``value`` as comparable across ranks by its repr (what an agreement compares): tuples and lists alike
+    (as lists), NumPy ints as ints. Local."""
+    if isinstance(value, (tuple, list)):
+        return [_plain(v) for v in value]
+    return int(value) if is_int(value) else value
 
 
 def initialize_domain_parallel(world_size, domain_parallel_size, shard_dim=-2, *, tensor_parallel_size=1,

@@ -32,7 +32,7 @@ from ._agreement import agree
 from ._errors import digest
 from ._mpi import mpi
 from ._validate import normalize_dim, require_manager
-from .manager import library_comm
+from .manager import library_comm, sharded_dims
 from .redistribution_layout import RowMove
 
 __all__ = ["redistribute"]
@@ -40,9 +40,7 @@ __all__ = ["redistribute"]
 
 def _sharded(manager, ndim):
     """The manager's sharded dims of an ``ndim``-d array (normalised), with their group names."""
-    # Tiles: latitude moves within a column of tiles, longitude within a band.
-    names = ("column", "band") if manager.tiled else ("domain",)
-    return {d % ndim: name for d, name in zip(manager.shard_dims, names) if -ndim <= d < ndim}
+    return {s.dim: s.group for s in sharded_dims(manager, ndim)}
 
 
 def _pair(manager, shape, move, dim):

@@ -101,11 +101,8 @@ def _tile_slices(manager, shape, dims, allow_uneven):
     dims = tuple(normalize_dim(d, shape) for d in (dims if isinstance(dims, tuple) else (dims,)))
     if len(set(dims)) != len(dims):
         raise ValueError(f"dim={dims} names a dim twice; pass latitude then longitude, e.g. (-2, -1)")
-    tiles = manager.tiled
-    parts_of = manager.domain_shape if tiles else (manager.domain_parallel_size,)
-    coords = manager.domain_coords if tiles else (manager.domain_rank,)
-    cuts = []
-    for dim, parts, c in zip(dims, parts_of, coords):
+    cuts = []  # slabs are a grid of one dim: domain_shape (D,), domain_coords (domain_rank,)
+    for dim, parts, c in zip(dims, manager.domain_shape, manager.domain_coords):
         size = shape[dim]
         if size % parts and not allow_uneven:
             raise ValueError(

@@ -13,7 +13,8 @@ import os
 import socket
 import sys
 
-from ._errors import check_same, error_report, fence, raise_on_all_ranks, raise_reported
+from ._agreement import agree, must_match
+from ._errors import error_report, raise_reported
 from ._mpi import mpi
 from .binding import node_of
 
@@ -212,19 +213,17 @@ def init_torch_distributed(backend=None, *, comm=None, timeout=None):
     state = None
     if error is None:
         state = dist.is_initialized() and (dist.get_rank(), dist.get_world_size())
-    fence(comm, "init_torch_distributed")
-    gathered = comm.allgather((error_report(error), state))  # one step: errors, and who is initialised
-    raise_reported([report for report, _ in gathered], error)
-    states = [state for _, state in gathered]
+    agree(comm, "init_torch_distributed", None, error=error)
+    states = comm.allgather(state)  # who is initialised
     if any(states):
         _check_existing(states, comm.Get_size())
         return False
 
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
-    backend = check_same(comm, str(backend), "backend",
-                         "Pass the same backend= on every rank (with backend=None, CUDA was available on some "
-                         "ranks only).", call="init_torch_distributed")
+    backend = str(backend)
+    agree(comm, "init_torch_distributed", backend, mismatch=must_match(
+        "backend", "Pass the same backend= on every rank (with backend=None, CUDA was available on some ranks only)."))
     rank, size = comm.Get_rank(), comm.Get_size()
     local_rank, local_size = _local_layout(comm)
     rendezvous, error = None, None
@@ -233,7 +232,7 @@ def init_torch_distributed(backend=None, *, comm=None, timeout=None):
             rendezvous = master_address(), master_port()
         except (OSError, ValueError) as failure:
             error = failure
-    raise_on_all_ranks(comm, error, "init_torch_distributed")
+    agree(comm, "init_torch_distributed", None, error=error)
     address, port = comm.bcast(rendezvous, root=0)
 
     for name, value in (("RANK", rank), ("WORLD_SIZE", size), ("LOCAL_RANK", local_rank),

@@ -54,7 +54,8 @@ def test_node_layout(world):
             # The launcher numbers a node's processes in its mapping order (Open MPI maps by
             # package, so its local ranks can be a permutation of MPI's); the count agrees.
             assert launcher.local_size == m.local_size
-            assert sorted(m._node_comm.allgather(launcher.local_rank)) == list(range(m.local_size))
+            mine = [r for n, r in m.comm.allgather((m.node_index, launcher.local_rank)) if n == m.node_index]
+            assert sorted(mine) == list(range(m.local_size))
             if not launcher.name.startswith("Open MPI"):
                 assert launcher.local_rank == m.local_rank
 
@@ -62,9 +63,10 @@ def test_node_layout(world):
 def test_singleton_lifecycle(world, fresh_manager):
     first = initialize_domain_parallel(world.size, 1, abort_on_error=False)
     assert get_domain_parallel_manager() is first
+    library = first.library_comm("world")  # the library's duplicate: held here only to see it freed
     second = initialize_domain_parallel(world.size, world.size, shard_dim=-1, abort_on_error=False)
     assert get_domain_parallel_manager() is second and second.shard_dim == -1
-    assert first.closed and first._domain_comm == MPI.COMM_NULL and first._comm == MPI.COMM_NULL
+    assert first.closed and first.domain_comm == MPI.COMM_NULL and library == MPI.COMM_NULL
     assert first.domain_group is None and first.data_parallel_group is None
     second.close()
     second.close()  # idempotent
@@ -105,7 +107,8 @@ def test_tiled_tells_tiles_from_slabs(world):
 def test_context_manager_frees(world):
     with DomainParallelManager(world.size, 1) as m:
         pass
-    assert m.closed and m._dp_comm == MPI.COMM_NULL and m._node_comm == MPI.COMM_NULL
+    # The node communicator has no public accessor (local_rank and local_size read it): users never hold it.
+    assert m.closed and m.data_parallel_comm == MPI.COMM_NULL and m._node_comm == MPI.COMM_NULL
 
 
 def test_subcommunicator_parent(world):

@@ -36,7 +36,6 @@ import zarr
 from xarray.backends.zarr import FillValueCoder, encode_zarr_attr_value, encode_zarr_variable
 
 from .._agreement import agree
-from .._errors import raise_on_all_ranks
 from .._mpi import mpi
 from .._waits import wait_all
 from .._validate import is_int, require_manager
@@ -559,7 +558,7 @@ def write_tile(tile, path, manager=None, *, lat="latitude", lon="longitude", app
         except Exception as exc:
             error = exc
     if comm is not None:
-        raise_on_all_ranks(comm, error, "write_tile")
+        agree(comm, "write_tile", None, error=error)
     elif error is not None:
         raise error
     group, error = None, None
@@ -577,6 +576,6 @@ def write_tile(tile, path, manager=None, *, lat="latitude", lon="longitude", app
                               None if error is not None else group)
         error = error or failed
     if comm is not None:
-        raise_on_all_ranks(comm, error, "write_tile")
+        agree(comm, "write_tile", None, error=error)
     elif error is not None:
         raise error

@@ -17,7 +17,7 @@ import torch
 import xarray as xr
 from zarr.storage import LocalStore
 
-from .._errors import raise_on_all_ranks
+from .._agreement import agree
 from .._mpi import mpi
 from .._waits import wait_all
 from ..data import CountingStore, TileDataset, select_tile, write_tile
@@ -40,7 +40,7 @@ def _agreed(comm, call, work):
         result = work()
     except (ValueError, TypeError, OSError, KeyError) as exc:
         error = exc if isinstance(exc, (ValueError, TypeError)) else ValueError(f"{type(exc).__name__}: {exc}")
-    raise_on_all_ranks(comm, error, call)
+    agree(comm, call, None, error=error)
     return result
 
 

@@ -14,7 +14,7 @@ import torch
 from .._agreement import agree
 from .._waits import allgather_ints
 from .._validate import normalize_dim
-from ..manager import library_comm
+from ..manager import library_comm, sharded_dims
 from .halo import HaloExchange
 from .module import DomainParallelModule as Wrapper
 
@@ -23,13 +23,11 @@ __all__ = ["Wrapper", "fetch_rows", "layer_agree", "layer_extents", "place", "re
 
 
 def shard_dims(shard_dim):
-    """A layer's ``shard_dim`` (an int, or a pair for tiles) as a tuple of dims."""
+    """A layer's ``shard_dim`` (an int, or a pair for tiles) as a tuple of dims.
+
+    The layer's own argument; which dims of ``x`` the manager shards is :func:`mpidomain.manager.sharded_dims`.
+    """
     return tuple(shard_dim) if isinstance(shard_dim, (tuple, list)) else (shard_dim,)
-
-
-def _manager_dims(manager, x):
-    """The manager's sharded dims of ``x``, normalised (those ``x`` has)."""
-    return [d % x.ndim for d in manager.shard_dims if -x.ndim <= d < x.ndim]
 
 
 def require_covered(manager, x, shard_dim, spatial, name, local):
@@ -40,22 +38,21 @@ def require_covered(manager, x, shard_dim, spatial, name, local):
     layer alone).
     """
     mine = {spatial_axis(x, d, spatial, name)[0] for d in shard_dims(shard_dim)}
-    for d, parts in zip(manager.shard_dims, manager.domain_shape):
-        if parts > 1 and -x.ndim <= d < x.ndim and d % x.ndim not in mine:
-            axis = d % x.ndim - (x.ndim - spatial)
+    for s in sharded_dims(manager, x.ndim):
+        if s.parts > 1 and s.dim not in mine:
+            axis = s.dim - (x.ndim - spatial)
             if 0 <= axis and not local(axis):
-                raise ValueError(f"{name}(shard_dim={shard_dim}): the manager shards dim {d} too "
+                raise ValueError(f"{name}(shard_dim={shard_dim}): the manager shards dim {s.shard_dim} too "
                                  f"({manager.domain_shape} tiles), which this layer would pad on its own; "
                                  f"pass shard_dim={manager.shard_dim} (the manager's)")
 
 
 def place(manager, x, dim):
     """Return (this rank's tile coordinate along normalised ``dim``, the number of tiles along it); (0, 1) if unsharded."""
-    dims = [d % x.ndim if -x.ndim <= d < x.ndim else None for d in manager.shard_dims]
-    if dim not in dims:
-        return 0, 1
-    k = dims.index(dim)
-    return manager.domain_coords[k], manager.domain_shape[k]
+    for s in sharded_dims(manager, x.ndim):
+        if s.dim == dim:
+            return s.coord, s.parts
+    return 0, 1
 
 
 def spatial_axis(x, shard_dim, spatial, name):
@@ -79,7 +76,7 @@ def layer_agree(manager, name, x, dim, settings, error=None):
     """
     description = None
     if error is None:  # extents along dim and along the manager's sharded dims may differ (uneven shards)
-        free = {dim, *_manager_dims(manager, x)}
+        free = {dim, *(s.dim for s in sharded_dims(manager, x.ndim))}
         shape = tuple(None if i in free else n for i, n in enumerate(x.shape))
         description = (settings, str(x.dtype), shape, bool(x.requires_grad))
     agree(library_comm(manager), name, description, error=error)

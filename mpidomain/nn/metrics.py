@@ -15,9 +15,8 @@ import numpy as np
 import torch
 
 from .._agreement import agree
-from .._errors import error_report, fence, raise_reported
 from .._validate import require_manager
-from ..manager import library_comm
+from ..manager import library_comm, sharded_dims
 from ..reduce import reduce_array
 
 __all__ = ["latitude_weights", "LatitudeWeightedMSE", "latitude_weighted_rmse", "latitude_weighted_acc",
@@ -178,9 +177,10 @@ def _sum_over_domain(values, manager):
 def _gathered_weights(call, latitude, manager, error=None, rows=None, description=None):
     """Return (this rank's float64 NumPy weights, the manager or None); collective over the domain group.
 
-    One fence and one allgather of every rank's latitudes, ``description`` (of its other arguments, which
-    must match) and local ``error``; then every rank takes the same decisions from the same gathered
-    records, so a mistake raises alike everywhere. ``rows``: the number of latitudes expected, if known.
+    One agreement step (a local ``error`` raises on every rank) and one allgather of every rank's latitudes
+    and ``description`` (of its other arguments, which must match); then every rank takes the same decisions
+    from the same gathered records, so a mistake raises alike everywhere. ``rows``: the number of latitudes
+    expected, if known.
     """
     latitudes = None
     if error is None:
@@ -192,10 +192,8 @@ def _gathered_weights(call, latitude, manager, error=None, rows=None, descriptio
         return _weights(latitudes, [latitudes], call), None
     block = _row_block(call, manager)
     comm = library_comm(manager, "domain")
-    fence(comm, call)
-    gathered = comm.allgather((error_report(error), None if error is not None else (block, latitudes, description)))
-    raise_reported([report for report, _ in gathered], error)
-    records = [record for _, record in gathered]
+    agree(comm, call, None, error=error)
+    records = comm.allgather((block, latitudes, description))
     descriptions = [record[2] for record in records]
     if any(d != descriptions[0] for d in descriptions):
         raise _mismatch(call, descriptions)
@@ -242,12 +240,9 @@ def _weights(latitudes, global_rows, call):
 
 def _row_block(call, manager):
     """Which latitude rows this rank holds: ranks of the same block hold the same rows; blocks go in rank order."""
-    if manager.tiled:
-        return manager.domain_coords[0]  # the tile row
-    if manager.shard_dims == (-2,):
-        return manager.domain_rank  # latitude slabs: each rank its own rows
-    if manager.shard_dims == (-1,):
-        return 0  # longitude slabs: every rank holds every row
+    if manager.shard_dims in ((-2,), (-1,), (-2, -1)):
+        # Latitude is dim 0 of (lat, lon): the tile row, a latitude slab's rank, or 0 (longitude slabs: every row).
+        return next((s.coord for s in sharded_dims(manager, 2) if s.dim == 0), 0)
     raise ValueError(f"{call} needs latitude in dim -2 and longitude in dim -1: a manager with shard_dim=-2, -1 or "
                      f"(-2, -1), got shard_dim={manager.shard_dim}")
 

@@ -21,7 +21,7 @@ import torch
 
 from .._agreement import agree
 from .._validate import is_int
-from ..manager import library_comm
+from ..manager import library_comm, sharded_dims
 from ..redistribution_layout import WINDOW_KINDS, window_move
 from ._shard import Wrapper, layer_extents, place, shard_dims
 from .redistribution import Redistribute, inverse_move
@@ -113,15 +113,12 @@ class DomainParallelWindowAttention(Wrapper):
         if self.shard_dim is not None and shard_dims(self.shard_dim) != shard_dims(manager.shard_dim):
             raise ValueError(f"{_NAME}(shard_dim={self.shard_dim}): the manager shards {manager.shard_dim}; the "
                              f"windows span every sharded dim, so pass shard_dim=None or {manager.shard_dim}")
-        dims = []
+        sharded = sharded_dims(manager, 4)
         for d, parts in zip(manager.shard_dims, manager.domain_shape):
-            if not -4 <= d < 4 or d % 4 < 2:
-                if parts > 1:
-                    raise ValueError(f"{_NAME}: the manager shards dim {d}, not latitude or longitude (-2, -1) of "
-                                     f"the (B, C, H, W) input; shard latitude or longitude")
-                continue
-            dims.append(d % 4)
-        return dims
+            if parts > 1 and not any(s.shard_dim == d and s.dim >= 2 for s in sharded):
+                raise ValueError(f"{_NAME}: the manager shards dim {d}, not latitude or longitude (-2, -1) of "
+                                 f"the (B, C, H, W) input; shard latitude or longitude")
+        return [s.dim for s in sharded if s.dim >= 2]
 
     def forward(self, x):
         """Return this rank's rows of the module's output on the whole field; collective over the domain group."""
