@@ -35,6 +35,7 @@ pads whatever D is, so the code after the exchange never branches on D.
 import dataclasses
 import math
 import sys
+from typing import NamedTuple
 
 import numpy as np
 
@@ -47,7 +48,7 @@ from ._validate import require_manager
 from .halo_spec import agree_inputs, check_tiles, describe
 from .tile_layout import TileLayout
 
-__all__ = ["HaloPlan"]
+__all__ = ["HaloPlan", "PadStart"]
 
 # Host halos at least this large arrive straight in the padded array through a subarray datatype;
 # smaller ones in a contiguous buffer, then one copy. With MPICH on shared memory the datatype
@@ -75,10 +76,13 @@ class HaloPlan:
     local rows (``plan.interior(padded)``), then ``halo_width`` ghost rows.
     :meth:`exchange`, :meth:`start`, :meth:`wait`, :meth:`pad` and
     :meth:`adjoint` are collective too: all ranks of the group call them in the
-    same order. Free the plan with :meth:`free` or a ``with`` block; closing
+    same order (so are :meth:`from_spec`, :meth:`start_pad`, :meth:`finish_pad` and
+    :meth:`pad_prepared`, ``halo_exchange``'s, whose agreement step settles what they
+    take for granted). Free the plan with :meth:`free` or a ``with`` block; closing
     the manager frees it as well. ``plan.layout`` (a
     :class:`~mpidomain.tile_layout.TileLayout`) says which rows go where;
-    ``plan.transport`` how they reach MPI. ``plan.dim``, ``plan.halo_width``
+    ``plan.transport`` how they reach MPI; ``plan.pads_in_one_copy`` whether a pad copies
+    the shard in one NumPy copy (a host shard under 4 MiB). ``plan.dim``, ``plan.halo_width``
     and ``plan.periodic`` are the arguments, normalised (one value per padded
     dim, the value itself along one dim); ``plan.neighbors`` the ``(previous,
     next)`` rank along each padded dim (a pair along one dim), None at an edge
@@ -113,13 +117,13 @@ class HaloPlan:
         self._build(x, mine, manager, comm, "HaloPlan")
 
     @classmethod
-    def _agreed(cls, x, mine, manager, call):
-        """Return a plan for ``x`` from its :class:`~mpidomain.halo_spec.HaloSpec` ``mine``, which the ranks have agreed on already.
+    def from_spec(cls, x, spec, manager, call):
+        """Build a plan for ``x`` from the :class:`~mpidomain.halo_spec.HaloSpec` ``spec`` the ranks agreed on already.
 
         Collective like the constructor (the extents are still gathered), without its agreement step.
         """
         plan = cls.__new__(cls)
-        plan._build(x, mine, manager, manager.library_comm(), call)
+        plan._build(x, spec, manager, manager.library_comm(), call)
         return plan
 
     def _build(self, x, mine, manager, comm, call):
@@ -164,8 +168,9 @@ class HaloPlan:
         nbytes = math.prod(self.shape) * dtype.itemsize
         self._torch_copies_interior = self.kind == "torch" and not self._device and nbytes >= _PIECE_BYTES
         self._interior_pieces = layout.interior_pieces(1 if self._device else -(-nbytes // _PIECE_BYTES))
-        # A host pad whose interior is one NumPy copy: halo_exchange's hits take _pad_prepared.
-        self._pads_in_one_copy = not self.transport.on_device and len(self._interior_pieces) == 1 and not self._torch_copies_interior
+        # A host pad whose interior is one NumPy copy: halo_exchange's hits take pad_prepared.
+        self.pads_in_one_copy = (not self.transport.on_device and len(self._interior_pieces) == 1
+                                 and not self._torch_copies_interior)
         padded = self.padded_shape
         smallest = min((_elements(padded, b) for b in self._receives), default=0)
         self._receive_in_place = not self.transport.on_device and smallest * dtype.itemsize >= _IN_PLACE_RECEIVE_BYTES
@@ -284,7 +289,7 @@ class HaloPlan:
         return pending
 
     def _complete(self, x, out, source, working, fresh, copied=False):
-        """Finish a :meth:`_pad` begun by :meth:`_begin`: copy ``x`` into the interior (unless ``copied``), fill the
+        """Finish a pad begun by :meth:`_begin`: copy ``x`` into the interior (unless ``copied``), fill the
         ghost rows.
 
         The halos are waited for before a copy in one piece, and polled between the pieces of a larger one
@@ -374,52 +379,56 @@ class HaloPlan:
         self._check_array(x, self.shape, "x")
         if out is not None:
             self._check_array(out, self.padded_shape, "out")
-        return self._pad(x, out)
-
-    def _pad(self, x, out=None, views=None, fresh=None):
-        """:meth:`pad` without its checks; ``views``: the :meth:`Transport.view` of ``x`` and of ``out``
-        (``out`` given too); ``fresh``: whether ``out`` was allocated for this call (default: if None)."""
-        if fresh is None:
-            fresh = out is None
-        if views is None:
-            if out is None:
-                out, working = self._new_padded()
-            else:
-                working = self.transport.view(out)
-            views = (self.transport.view(x), working)
-        self._begin(views[0], self._packs_of_shard, views[1])
-        self._complete(x, out, *views, fresh)
-        return out
-
-    # -- a halo_exchange call that found the plan in its cache (halo_call.py) -----------------
-    def _go_ahead(self, x, host, out, fresh, agreement, messages):
-        """Prepare ``x``'s padded result (into ``out``, or a new array if None; ``fresh``: the caller passed None)
-        and, if ``agreement.ahead``, start its halos now, listing them in ``messages``
-        (:class:`~mpidomain._agreement.AheadMessages`); return ``(out, views, started, copied)``: ``views`` the
-        :meth:`Transport.view` of ``x`` (``host``: its host view, or None) and of ``out``, ``copied`` whether ``x``
-        is in the interior already. Finish with :meth:`_complete` if ``started``, else :meth:`_pad`."""
-        if out is None:
+        fresh = out is None
+        if fresh:
             out, working = self._new_padded()
         else:
             working = self.transport.view(out)
-        views = (self.transport.view(x, host), working)
+        source = self.transport.view(x)
+        self._begin(source, self._packs_of_shard, working)
+        self._complete(x, out, source, working, fresh)
+        return out
+
+    # -- a halo_exchange call that found the plan in its cache (halo_call.py) -----------------
+    def start_pad(self, x, host, out, agreement, messages):
+        """Prepare ``x``'s padded result and, if ``agreement.ahead``, start its halos; return a :class:`PadStart`.
+
+        ``host``: ``x``'s :func:`~mpidomain.devices.host_view`, or None; ``out``: where the result goes (None: a new
+        array). The halos started are listed in ``messages`` (:class:`~mpidomain._agreement.AheadMessages`).
+        Finish with :meth:`finish_pad`. Not checked: ``x`` and ``out`` must suit the plan.
+        """
+        fresh = out is None
+        if fresh:
+            out, working = self._new_padded()
+        else:
+            working = self.transport.view(out)
+        source = self.transport.view(x, host)
         if not agreement.ahead:
-            return out, views, False, False
-        self._begin(views[0], self._packs_of_shard, working)
+            return PadStart(out, source, working, fresh, False, False)
+        self._begin(source, self._packs_of_shard, working)
         messages.sends, messages.receives = self._started_messages()
         messages.requests = self._requests
         copied = self._copies_first(fresh)
         if copied:  # under the agreement
-            self._copy_interior(x, out, views[0], working, False)
-        return out, views, True, copied
+            self._copy_interior(x, out, source, working, False)
+        return PadStart(out, source, working, fresh, True, copied)
 
-    def _pad_prepared(self, agreement, messages, host, out):
-        """Pad host shard ``host`` (a NumPy view; the plan's ``_pads_in_one_copy``) into ``out`` (None: a new array),
-        its halos started with ``agreement`` (prepared, ``start=False``) and listed in ``messages``; return the
-        result, or None if the agreement found that some rank missed (every rank's halos are settled: build anew).
+    def finish_pad(self, x, pad):
+        """Finish the pad of ``x`` that :meth:`start_pad` prepared (``pad``); return the padded result."""
+        if not pad.started:
+            self._begin(pad.source, self._packs_of_shard, pad.working)
+        self._complete(x, pad.out, pad.source, pad.working, pad.fresh, pad.copied)
+        return pad.out
 
-        What :meth:`_go_ahead` and :meth:`_complete` do, with what does not change from call to call prepared
-        once: the same agreement, the same messages, in the same order."""
+    def pad_prepared(self, agreement, messages, host, out):
+        """Pad host shard ``host`` with its halos started along ``agreement``; return the result, or None to build anew.
+
+        For a plan whose ``pads_in_one_copy``: ``host`` is a NumPy view of the shard, ``out`` the result's array
+        (None: a new one), ``agreement`` prepared (``start=False``) and started here, the halos listed in
+        ``messages``. None means the agreement found that some rank missed: every rank's halos are settled.
+        What :meth:`start_pad` and :meth:`finish_pad` do, with what does not change from call to call prepared
+        once: the same agreement, the same messages, in the same order.
+        """
         agreement.start()
         if out is None:
             working = np.empty(self.padded_shape, self._numpy_dtype)
@@ -548,6 +557,17 @@ class HaloPlan:
         boundary = f"boundary={self.boundary!r}, " if self.boundary else ""
         return (f"HaloPlan(shape={self.shape}, dtype={self.dtype}, halo_width={self.halo_width}, "
                 f"dim={self.dim}, periodic={self.periodic}, {boundary}{state})")
+
+
+class PadStart(NamedTuple):
+    """A pad :meth:`HaloPlan.start_pad` prepared, for :meth:`HaloPlan.finish_pad`."""
+
+    out: object      # the padded result
+    source: object   # the Transport.view of x
+    working: object  # the Transport.view of out
+    fresh: bool      # whether out was allocated for this call
+    started: bool    # whether the halos are in flight (usually complete)
+    copied: bool     # whether x is in out's interior already
 
 
 @dataclasses.dataclass(frozen=True)

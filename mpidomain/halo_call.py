@@ -9,6 +9,8 @@ arguments (:func:`_pad_found`). The plans themselves, and how their bytes
 move, are :mod:`mpidomain.halo`'s.
 """
 
+from typing import NamedTuple
+
 from . import devices, plan_cache
 from ._agreement import AheadMessages, Agreement, agreement_code
 from ._validate import require_manager
@@ -16,6 +18,22 @@ from .halo import HaloPlan
 from .halo_spec import describe, group_mismatch
 
 __all__ = ["cached_plan", "halo_exchange"]
+
+
+class HaloCall(NamedTuple):
+    """One halo exchange call's arguments besides its arrays, as the caller spelled them.
+
+    ``call`` names what the call does (``"pad"``, ``"pad+grad"``, ``"adjoint"``): the agreement step
+    checks it with the rest. Immutable, and part of the quick key (:func:`_quick_key`). A NamedTuple,
+    not a frozen dataclass: every call makes one, in a third of the time.
+    """
+
+    halo_width: object
+    dim: object
+    periodic: object
+    boundary: object
+    manager: object
+    call: str
 
 
 def cached_plan(x, halo_width, dim=None, *, periodic=False, boundary=None, manager=None, call="pad"):
@@ -29,8 +47,7 @@ def cached_plan(x, halo_width, dim=None, *, periodic=False, boundary=None, manag
     what each rank had. Each manager keeps its own last
     :data:`~mpidomain.plan_cache.CACHE_SIZE` plans.
     """
-    found = _lookup(x, halo_width, dim, periodic, boundary, manager, call)
-    return _settle(x, halo_width, dim, periodic, boundary, call, *found)[0]  # padding=False: nothing started
+    return _plan(x, HaloCall(halo_width, dim, periodic, boundary, manager, call))
 
 
 class _Spelling:
@@ -50,53 +67,74 @@ class _Spelling:
         self.agreement = self.ahead = None
 
 
-def _lookup(x, halo_width, dim, periodic, boundary, manager, call):
-    """Return ``(manager, cache, host, quick, found)``: the manager, its plan cache, ``x``'s
-    :func:`~mpidomain.devices.host_view`, the quick key (what ``x`` and the arguments are, as spelled,
-    cheaply; None if ``x`` does not say or an argument cannot be hashed) and ``(key, plan, spelling)`` if it
-    is cached (local)."""
-    manager = require_manager(manager, "halo exchange")
+class _Lookup(NamedTuple):
+    """What :func:`_lookup` found for one call, locally."""
+
+    manager: object  # the manager the call uses
+    cache: object    # its plan_cache.PlanCache
+    host: object     # x's devices.host_view, or None
+    quick: object    # the _quick_key (None: x does not say, or an argument is unhashable)
+    found: object    # the plan_cache.QuickEntry under it (info: the _Spelling), or None
+
+
+class _Settled(NamedTuple):
+    """What :func:`_settle` agreed on: the ``plan``, and the pad it started (None: pad with :meth:`HaloPlan.pad`)."""
+
+    plan: HaloPlan
+    pad: object  # a halo.PadStart, for plan.finish_pad
+
+
+def _lookup(x, arguments):
+    """Return the :class:`_Lookup` of ``x`` with :class:`HaloCall` ``arguments``."""
+    manager = require_manager(arguments.manager, "halo exchange")
     cache = plan_cache.cache_of(manager)
     host = devices.host_view(x)
-    arguments = (type(halo_width), halo_width, type(dim), dim, type(periodic), periodic, boundary, call)
     try:
-        if host is not None:  # host memory: its NumPy view says what it is
-            quick = (type(x), host.shape, host.dtype, *arguments)
-        else:
-            quick = (type(x), tuple(x.shape), x.dtype, x.device, getattr(x, "layout", None), "not a host view",
-                     *arguments)
-        return manager, cache, host, quick, cache.quick(quick)
+        quick = _quick_key(x, host, arguments)
+        return _Lookup(manager, cache, host, quick, cache.quick(quick))
     except Exception:  # not an array, or an unhashable argument: the full checks report it
-        return manager, cache, host, None, None
+        return _Lookup(manager, cache, host, None, None)
 
 
-def _settle(x, halo_width, dim, periodic, boundary, call, manager, cache, host, quick, found, out=None, padding=False,
-            fresh=False):
-    """:func:`cached_plan`'s work after :func:`_lookup`; return ``(plan, out, views, started, copied)``.
+def _quick_key(x, host, arguments):
+    """Return what ``x`` (``host``: its host view, or None) and :class:`HaloCall` ``arguments`` are, as spelled,
+    cheaply (the types tell ``1`` from ``True``)."""
+    types = (type(arguments.halo_width), type(arguments.dim), type(arguments.periodic))
+    if host is not None:  # host memory: its NumPy view says what it is
+        return (type(x), host.shape, host.dtype, types, arguments)
+    return (type(x), tuple(x.shape), x.dtype, x.device, getattr(x, "layout", None), "not a host view", types,
+            arguments)
+
+
+def _plan(x, arguments):
+    """Return the cached plan for ``x`` with :class:`HaloCall` ``arguments`` (:func:`cached_plan`)."""
+    return _settle(x, arguments, _lookup(x, arguments)).plan
+
+
+def _settle(x, arguments, lookup, out=None, padding=False):
+    """:func:`cached_plan`'s work after :func:`_lookup`; return a :class:`_Settled`.
 
     ``out`` is checked with the arguments (a bad one raises on every rank).
-    With ``padding``, a rank that holds a plan for ``x`` prepares ``out`` (a
-    new padded array if None; ``fresh``: the caller passed None) and, where it
-    can, starts the halos with the agreement; ``views`` is then the
-    :meth:`Transport.view` of ``x`` and of ``out`` (else None). If ``started``,
-    the plan's halo transfers into ``out`` are in flight (usually complete),
-    and ``x`` is in ``out``'s interior if ``copied``: finish the pad with
-    ``plan._complete``.
+    With ``padding``, a rank that holds a plan for ``x`` starts the pad into
+    ``out`` (a new padded array if None) with :meth:`HaloPlan.start_pad`, its
+    halos with the agreement where it can: finish it with
+    :meth:`HaloPlan.finish_pad`.
     """
+    manager, cache, found = lookup.manager, lookup.cache, lookup.found
     comm = manager.library_comm()
     error = None
     if found is not None:  # arguments seen before: their checks passed then, and would again
-        key, plan, spelling = found
+        key, plan, spelling = found.key, found.plan, found.info
         signature, code, mine = spelling.signature, spelling.code, spelling.mine
         padded_shape = plan.padded_shape
     else:
         signature, key, code, padded_shape, mine = None, None, None, None, None
         try:
-            mine = describe(x, halo_width, dim, periodic, manager, boundary)
+            mine = describe(x, arguments.halo_width, arguments.dim, arguments.periodic, manager, arguments.boundary)
             kind = devices.array_kind(x)
             device = str(x.device) if kind == "torch" else x.device.id if kind == "cupy" else None
             key = (mine, tuple(x.shape), device)  # this rank's plan; not the call kind
-            signature = dict(mine.signature(), call=call)
+            signature = dict(mine.signature(), call=arguments.call)
             code = agreement_code("halo_exchange", signature)
             padded_shape = mine.padded_shape(tuple(x.shape))
         except (TypeError, ValueError) as exc:
@@ -104,7 +142,7 @@ def _settle(x, halo_width, dim, periodic, boundary, call, manager, cache, host, 
         plan = None if key is None else cache.get(key)
     if out is not None and error is None:
         try:
-            _check_out(out, x, padded_shape, call)
+            _check_out(out, x, padded_shape, arguments.call)
         except (TypeError, ValueError) as exc:
             error = exc
     # A hit counts only if every rank hit the same plan, the one built together with the same tags:
@@ -115,35 +153,33 @@ def _settle(x, halo_width, dim, periodic, boundary, call, manager, cache, host, 
     ahead = AheadMessages() if local else None
     agreement = Agreement(comm, "halo_exchange", signature, plan is None, error, group_mismatch,
                           -1 if plan is None else plan.tag, code, ahead)
-    views, started, copied = None, False, False
-    if local:
-        out, views, started, copied = plan._go_ahead(x, host, out, fresh, agreement, ahead)
+    pad = plan.start_pad(x, lookup.host, out, agreement, ahead) if local else None
     # The agreement's wait polls the halos started ahead too, and usually completes them.
     if agreement.result():  # every rank described its arguments, and they agree: build on that
-        plan, started = _rebuilt(x, mine, manager, cache, key), False
+        plan, pad = _rebuilt(x, mine, manager, cache, key), None
     else:
         cache.touch(plan)
-    if found is None and quick is not None:
-        cache.remember(quick, key, _Spelling(signature, code, mine))
-    return plan, out, views, started, copied
+    if found is None and lookup.quick is not None:
+        cache.remember(lookup.quick, key, _Spelling(signature, code, mine))
+    return _Settled(plan, pad)
 
 
 def _rebuilt(x, mine, manager, cache, key):
     """Build the plan for ``x`` from agreed ``mine`` on every rank, and cache it under ``key``; return it."""
-    plan = HaloPlan._agreed(x, mine, manager, "halo_exchange")
+    plan = HaloPlan.from_spec(x, mine, manager, "halo_exchange")
     cache.put(key, plan)
     return plan
 
 
 def _pad_found(plan, spelling, host, out):
     """Pad host shard ``host`` (a NumPy view) into ``out`` (None: a new array) with ``plan``, found by ``spelling``,
-    when a pad is one copy (:meth:`HaloPlan._pad_prepared`, the agreement prepared here on first use); return the
+    when a pad is one copy (:meth:`HaloPlan.pad_prepared`, the agreement prepared here on first use); return the
     result, or None if the agreement found that some rank missed (every rank's halos are settled: build anew)."""
     if spelling.agreement is None:
         spelling.ahead = AheadMessages()
-        spelling.agreement = Agreement(plan._comm, "halo_exchange", spelling.signature, False, None, group_mismatch,
-                                       plan.tag, spelling.code, spelling.ahead, start=False)
-    return plan._pad_prepared(spelling.agreement, spelling.ahead, host, out)
+        spelling.agreement = Agreement(plan.manager.library_comm(), "halo_exchange", spelling.signature, False, None,
+                                       group_mismatch, plan.tag, spelling.code, spelling.ahead, start=False)
+    return plan.pad_prepared(spelling.agreement, spelling.ahead, host, out)
 
 
 def _fits(out, x, padded_shape, call):
@@ -222,34 +258,42 @@ def halo_exchange(x, halo_width, dim=None, *, periodic=False, boundary=None, man
         import torch
 
         # Every rank must agree whether a backward will follow: the agreement step checks it.
-        call = "pad+grad" if torch.is_grad_enabled() else "pad"
+        arguments = HaloCall(halo_width, dim, periodic, boundary, manager,
+                             "pad+grad" if torch.is_grad_enabled() else "pad")
         if out is not None:  # the same agreement as the autograd path's, raising on every rank
-            found = _lookup(x, halo_width, dim, periodic, boundary, manager, "pad+grad")
-            _settle(x, halo_width, dim, periodic, boundary, "pad+grad", *found, out)
-        return _autograd_function().apply(x, halo_width, dim, periodic, boundary, manager, call)
-    return _padded(x, halo_width, dim, periodic, boundary, manager, "pad", out)[1]
+            checked = arguments._replace(call="pad+grad")
+            _settle(x, checked, _lookup(x, checked), out)
+        return _autograd_function().apply(x, arguments)
+    _, padded = _padded(x, HaloCall(halo_width, dim, periodic, boundary, manager, "pad"), out)
+    return padded
 
 
-def _padded(x, halo_width, dim, periodic, boundary, manager, call, out=None):
-    """Return ``(plan, x padded)``: on a hit of a pad in one copy, :func:`_pad_found`; else :func:`_settle` with
-    ``padding``, then the pad finished (or done)."""
-    found = _lookup(x, halo_width, dim, periodic, boundary, manager, call)
-    hit = found[4]
-    if hit is not None and found[2] is not None and hit[1]._pads_in_one_copy:
-        plan = hit[1]
-        if out is None or _fits(out, x, plan.padded_shape, call):  # else the general path reports it on every rank
-            padded = _pad_found(plan, hit[2], found[2], out)
+def _padded(x, arguments, out=None):
+    """Pad ``x`` with :class:`HaloCall` ``arguments`` into ``out`` (None: a new array); return (the plan, the result).
+
+    On a hit of a pad in one copy, :func:`_pad_found`; else :func:`_settle` with ``padding``, then the pad
+    finished (or done). The hot path: :func:`_lookup`'s work inline, and a pair rather than a record returned.
+    """
+    manager = require_manager(arguments.manager, "halo exchange")
+    cache = plan_cache.cache_of(manager)
+    host = devices.host_view(x)
+    try:
+        quick = _quick_key(x, host, arguments)
+        found = cache.quick(quick)
+    except Exception:  # as in _lookup
+        quick = found = None
+    if found is not None and host is not None and found.plan.pads_in_one_copy:
+        plan = found.plan
+        if out is None or _fits(out, x, plan.padded_shape, arguments.call):  # else _settle reports it on every rank
+            padded = _pad_found(plan, found.info, host, out)
             if padded is not None:
-                found[1].touch(plan)
+                cache.touch(plan)
                 return plan, padded
-            plan = _rebuilt(x, hit[2].mine, found[0], found[1], hit[0])
-            return plan, plan._pad(x, out)
-    fresh = out is None
-    plan, out, views, started, copied = _settle(x, halo_width, dim, periodic, boundary, call, *found, out, True, fresh)
-    if started:
-        plan._complete(x, out, *views, fresh, copied)
-        return plan, out
-    return plan, plan._pad(x, out, views, fresh)
+            plan = _rebuilt(x, found.info.mine, manager, cache, found.key)
+            return plan, plan.pad(x, out)
+    settled = _settle(x, arguments, _Lookup(manager, cache, host, quick, found), out, padding=True)
+    plan = settled.plan
+    return plan, plan.pad(x, out) if settled.pad is None else plan.finish_pad(x, settled.pad)
 
 
 _FUNCTION = None
@@ -272,20 +316,19 @@ def _autograd_function():
         """Pad with the neighbours' rows; backward sends ghost-row gradients back to their owners."""
 
         @staticmethod
-        def forward(ctx, x, halo_width, dim, periodic, boundary, manager, call):
-            plan, padded = _padded(x, halo_width, dim, periodic, boundary, manager, call)
-            ctx.plan_arguments = (halo_width, dim, periodic, boundary, plan.manager, plan.layout.interior)
+        def forward(ctx, x, arguments):
+            plan, padded = _padded(x, arguments)
+            ctx.adjoint = arguments._replace(manager=plan.manager, call="adjoint")
+            ctx.interior = plan.layout.interior
             return padded
 
         @staticmethod
         @torch.autograd.function.once_differentiable
         def backward(ctx, grad):
-            halo_width, dim, periodic, boundary, manager, interior = ctx.plan_arguments
             # The plan is found again (it may have left halo_exchange's cache since the forward)
             # from a view with the unpadded shard's shape, dtype and device.
-            plan = cached_plan(grad[interior], halo_width, dim, periodic=periodic, boundary=boundary,
-                               manager=manager, call="adjoint")
-            return plan.adjoint(grad), None, None, None, None, None, None
+            plan = _plan(grad[ctx.interior], ctx.adjoint)
+            return plan.adjoint(grad), None
 
     _FUNCTION = HaloExchangeFunction
     return _FUNCTION

@@ -9,8 +9,9 @@ settles every hit or miss for all ranks of the group in its agreement step.
 
 import weakref
 from collections import OrderedDict
+from typing import NamedTuple
 
-__all__ = ["CACHE_SIZE", "PlanCache", "cache_of", "cached_plans", "register", "unregister"]
+__all__ = ["CACHE_SIZE", "PlanCache", "QuickEntry", "cache_of", "cached_plans", "register", "unregister"]
 
 CACHE_SIZE = 16
 
@@ -18,6 +19,14 @@ _CACHES = weakref.WeakKeyDictionary()  # manager -> PlanCache
 _LIVE = weakref.WeakSet()  # every plan not yet freed, so a closing manager frees its own
 _WATCHED = weakref.WeakSet()  # managers whose close() frees their plans
 _LAST = [lambda: None, None]  # weak reference to the manager cache_of answered last, and its cache
+
+
+class QuickEntry(NamedTuple):
+    """A plan filed under a quick key: the plan's ``key``, the ``plan`` and what validation returned (``info``)."""
+
+    key: object
+    plan: object
+    info: object
 
 
 class PlanCache:
@@ -35,7 +44,7 @@ class PlanCache:
         self.size = size
         self._plans = {}  # key -> plan
         self._order = OrderedDict()  # id(plan) -> key, least recently used first
-        self._quick = {}  # quick key -> (key, plan, info); the entry keeps its plan alive, so its id stays its own
+        self._quick = {}  # quick key -> QuickEntry; the entry keeps its plan alive, so its id stays its own
 
     def __len__(self):
         return len(self._plans)
@@ -50,17 +59,18 @@ class PlanCache:
         return None if plan is None or plan.freed else plan
 
     def quick(self, quick_key):
-        """Return (key, plan, info) stored under ``quick_key`` if its plan is still cached (and not freed), else None."""
+        """Return the :class:`QuickEntry` under ``quick_key`` if its plan is still cached (and not freed), else None."""
         entry = self._quick.get(quick_key)
-        if entry is None or id(entry[1]) not in self._order or entry[1].freed:
+        if entry is None:
             return None
-        return entry
+        plan = entry.plan
+        return None if id(plan) not in self._order or plan.freed else entry
 
     def remember(self, quick_key, key, info):
         """File ``quick_key`` as another spelling of the plan under ``key``, with ``info``."""
         if len(self._quick) >= 8 * self.size:
             self._quick.clear()
-        self._quick[quick_key] = (key, self._plans[key], info)
+        self._quick[quick_key] = QuickEntry(key, self._plans[key], info)
 
     def touch(self, plan):
         """Mark cached ``plan`` as the most recently used."""

@@ -356,7 +356,7 @@ def test_hits_out_and_held_plans_match_the_reference(world, monkeypatch, kind, r
                 assert halo_exchange(x, h, periodic=periodic, manager=manager, out=out) is out
                 assert np.array_equal(to_numpy(out), expected), case
                 with HaloPlan(x, h, periodic=periodic, manager=manager) as plan:
-                    one_copy = plan._pads_in_one_copy
+                    one_copy = plan.pads_in_one_copy
                     if copy == "one copy":
                         assert one_copy, case
                     else:
