@@ -5,8 +5,8 @@ that needs it, so a program can choose its GPU first.
 """
 
 from .binding import DeviceBinding, bind_device
-from .halo import HaloPlan
-from .halo_call import halo_exchange
+from .halo.plan import HaloPlan
+from .halo.call import halo_exchange
 from .launcher import Launcher, detect_launcher
 from .manager import DomainParallelManager, get_domain_parallel_manager, initialize_domain_parallel
 from .redistribution import redistribute

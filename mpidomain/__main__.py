@@ -13,7 +13,8 @@ import argparse
 import sys
 import warnings
 
-from . import binding, check, info
+from . import binding
+from .cli import check, info
 from ._errors import rank_ranges
 from ._mpi import mpi
 from .manager import initialize_domain_parallel, library_comm
@@ -174,7 +175,7 @@ def _size(text):
 
 
 def _demo(args):
-    from .demo import run_demo  # imports torch
+    from .cli.demo import run_demo  # imports torch
 
     if args.steps < 1:
         raise ValueError(f"--steps must be >= 1, got {args.steps}")

@@ -1,4 +1,4 @@
-"""The argument checks every entry point shares: ints, dims, and the manager to work on (``require_manager``).
+"""The argument checks every entry point shares: ints and dims (the manager to work on: ``_current.require_manager``).
 
 Local: no communication. Each raises the built-in exception whose meaning
 fits, naming the argument, what was expected, what was received and the fix.
@@ -7,8 +7,6 @@ fits, naming the argument, what was expected, what was received and the fix.
 import numbers
 
 import numpy as np
-
-from ._current import require_manager  # noqa: F401  (the entry points import it from here)
 
 
 def is_int(value):

@@ -3,7 +3,7 @@
 Same API as NCAR CREDIT's ``credit.domain_parallel.manager``, but the groups
 are MPI communicators built with ``Split`` on a duplicate of the parent
 communicator, so it runs under any launcher (srun, mpiexec, mpirun, PALS) or
-none. The layout is :class:`mpidomain.mesh.Mesh`'s (CREDIT's ``credit.parallel``
+none. The layout is :class:`mpidomain.layout.mesh.Mesh`'s (CREDIT's ``credit.parallel``
 DeviceMesh): row-major over (dp, tp, domain), domain innermost. With 8 ranks and
 ``domain_parallel_size=2``::
 
@@ -33,7 +33,7 @@ from ._routing import share_agreements, unshare_agreements
 from ._waits import forget_timeout
 from ._validate import is_int
 from .launcher import check_launcher_world, detect_launcher
-from .mesh import AXES, Mesh
+from .layout.mesh import AXES, Mesh
 
 __all__ = ["DomainParallelManager", "initialize_domain_parallel", "get_domain_parallel_manager"]
 

@@ -12,7 +12,7 @@ one ``MPI_Alltoallv`` over the manager's private communicator moves them
 received rows are put in the target's local order. Device arrays go through
 :func:`mpidomain.transport.transport_for` like every other collective.
 
-The move (pure, immutable, from :mod:`mpidomain.redistribution_layout`) is the
+The move (pure, immutable, from :mod:`mpidomain.layout.moves`) is the
 plan: building it communicates nothing, and the index arrays made from it are
 cached per (move, rank, device), so a cache hit or miss on one rank cannot put
 the ranks out of step. Every call starts with one agreement step: a different
@@ -31,9 +31,10 @@ from . import comm_stats, devices, transport
 from ._agreement import agree
 from ._errors import digest
 from ._mpi import mpi
-from ._validate import normalize_dim, require_manager
+from ._current import require_manager
+from ._validate import normalize_dim
 from .manager import library_comm, sharded_dims
-from .redistribution_layout import RowMove
+from .layout.moves import RowMove
 
 __all__ = ["redistribute"]
 
@@ -62,7 +63,7 @@ def _describe(x, move, dim, manager):
     """What this rank passed (alike on every rank) and the group name; TypeError/ValueError for a local mistake."""
     moves = tuple(move) if isinstance(move, (tuple, list)) else (move,)
     if not moves or not all(isinstance(m, RowMove) for m in moves):
-        raise TypeError(f"move must be a mpidomain.redistribution_layout.RowMove (or, with tiles, a pair of them), "
+        raise TypeError(f"move must be a mpidomain.layout.moves.RowMove (or, with tiles, a pair of them), "
                         f"got {type(move).__name__}; make one with window_move or RowMove(source, target)")
     spec = devices.array_spec(x)
     if getattr(x, "requires_grad", False) is True:
@@ -100,7 +101,7 @@ def redistribute(x, move, dim=None, *, manager=None):
     """Return this rank's rows of ``x`` in ``move``'s target layout along ``dim``.
 
     Collective over the domain group: call on every rank with the same ``move``
-    (a :class:`~mpidomain.redistribution_layout.RowMove` over the ranks that
+    (a :class:`~mpidomain.layout.moves.RowMove` over the ranks that
     share ``dim``: all of them with slabs; with tiles, the ranks of this rank's
     column of tiles for latitude, of its band for longitude), ``dim`` (default
     the manager's ``shard_dim``; with tiles one of its two dims, or both) and dtype.

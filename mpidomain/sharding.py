@@ -24,10 +24,10 @@ from . import devices, transport
 from ._agreement import agree
 from ._mpi import mpi
 from ._waits import wait_all
-from ._validate import normalize_dim, require_int, require_manager
-from ._current import closed_error, current_manager
+from ._current import closed_error, current_manager, require_manager
+from ._validate import normalize_dim, require_int
 from .manager import library_comm
-from .tile_layout import balanced_split  # public here too: mpidomain.sharding.balanced_split
+from .layout.tiles import balanced_split  # public here too: mpidomain.sharding.balanced_split
 
 __all__ = ["balanced_split", "shard_tensor", "shard_batch", "gather_tensor", "scatter_tensor"]
 

@@ -28,7 +28,7 @@ from mpidomain import DomainParallelManager, redistribute  # noqa: E402
 from mpidomain.models import convert_model, credit_missing  # noqa: E402
 from mpidomain.nn import CommStats, DomainParallelWindowAttention, allreduce_gradients  # noqa: E402
 from mpidomain.nn.stats import LABELS  # noqa: E402
-from mpidomain.redistribution_layout import window_move  # noqa: E402
+from mpidomain.layout.moves import window_move  # noqa: E402
 
 ALLTOALL = "all-to-all"
 

@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import mpidomain  # noqa: E402
 from bench_halo import timed  # noqa: E402
 from mpidomain._agreement import agree  # noqa: E402
-from mpidomain.halo_call import cached_plan  # noqa: E402
+from mpidomain.halo.call import cached_plan  # noqa: E402
 from mpidomain.manager import library_comm  # noqa: E402
 from mpidomain.nn import DomainParallelConv2d  # noqa: E402
 

@@ -27,7 +27,7 @@ import time
 from mpi4py import MPI
 
 import mpidomain
-from mpidomain.mesh import AXES, Mesh
+from mpidomain.layout.mesh import AXES, Mesh
 
 
 def _timed(comm, build):

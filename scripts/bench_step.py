@@ -340,14 +340,14 @@ def project_traffic(model, field_shape, d):
     The step is :class:`Run`'s: forward (the field needs no gradient), backward, ``allreduce_gradients``.
     Each layer as the converted one runs it: halos of :mod:`mpidomain.nn.rows` (to each neighbour, and
     back in backward where the layer's input needs a gradient), window attention's moves of
-    :func:`~mpidomain.redistribution_layout.window_move`, GroupNorm's float64 sums, CREDIT's padding
+    :func:`~mpidomain.layout.moves.window_move`, GroupNorm's float64 sums, CREDIT's padding
     (the earth halo, then the deal into ``align``-row blocks; ``unpad`` the move back). A layout
     the library refuses (more slabs than aligned blocks) is projected on balanced rows and noted.
     """
     from mpidomain.nn import rows
     from mpidomain.nn.earth_padding import aligned_extents
-    from mpidomain.redistribution_layout import window_move
-    from mpidomain.tile_layout import balanced_split
+    from mpidomain.layout.moves import window_move
+    from mpidomain.layout.tiles import balanced_split
 
     traffic = Traffic(d)
     if d == 1:
@@ -372,7 +372,7 @@ def project_traffic(model, field_shape, d):
                     traffic.add(r, label, n * width * row, n)
 
     def move(label, source, target, row, times):
-        from mpidomain.redistribution_layout import RowMove, contiguous_layout
+        from mpidomain.layout.moves import RowMove, contiguous_layout
         there = RowMove(contiguous_layout(source), contiguous_layout(target))
         for way in (there, there.inverse)[:times]:  # forward; backward the move back
             for r in range(d):

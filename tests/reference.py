@@ -11,7 +11,7 @@
 
 import numpy as np
 
-from mpidomain.tile_layout import balanced_split
+from mpidomain.layout.tiles import balanced_split
 
 
 def global_field(shape, seed=0, dtype=np.float64, int_scale=1000):

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from mpidomain import check
+from mpidomain.cli import check
 from mpidomain.__main__ import main
 from mpitest import nth_divisor, run_mpi
 

@@ -11,7 +11,7 @@ torch = pytest.importorskip("torch")
 from mpidomain import DomainParallelManager, balanced_split, comm_stats  # noqa: E402
 from mpidomain.nn import (CommStats, DomainParallelConv2d, DomainParallelGroupNorm,  # noqa: E402
                           DomainParallelWindowAttention, allreduce_gradients)
-from mpidomain.redistribution_layout import window_move  # noqa: E402
+from mpidomain.layout.moves import window_move  # noqa: E402
 
 B, H, W = 2, 16, 10
 HALO = "halo exchange: convolutions"

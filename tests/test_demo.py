@@ -8,7 +8,7 @@ from mpitest import run_mpi, share  # noqa: E402
 
 
 def test_demo_in_process(world, fresh_manager):
-    from mpidomain.demo import run_demo
+    from mpidomain.cli.demo import run_demo
 
     lines = []
     status = run_demo(steps=2, domain_parallel_size=world.size, size=(8 * world.size, 32), out=lines.append)

@@ -13,7 +13,8 @@ import pytest
 from mpi4py import MPI
 
 import mpidomain
-from mpidomain import DomainParallelManager, HaloPlan, halo, halo_call, halo_exchange, plan_cache
+from mpidomain import DomainParallelManager, HaloPlan, halo_exchange
+from mpidomain.halo import cache as plan_cache, call as halo_call, plan as halo
 from mpitest import divisors
 from reference import bounds as shard_bounds
 from reference import padded_rows

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 import mpidomain
-from mpidomain import _agreement, _mpi, gather_tensor, halo, halo_call, halo_exchange
+from mpidomain import _agreement, _mpi, gather_tensor, halo_exchange
+from mpidomain.halo import call as halo_call, plan as halo
 
 
 @pytest.fixture(autouse=True, params=["buffer receives", "datatype receives"])
@@ -176,12 +177,12 @@ def test_a_cached_plan_freed_on_one_rank_is_a_miss_there_and_all_build_anew(mana
     x = shard(world, 4)
     halo_exchange(x, 1)
     if world.rank == 0:  # the program frees the cached plan on one rank only
-        mpidomain.plan_cache.cached_plans(manager)[0].free()
+        mpidomain.halo.cache.cached_plans(manager)[0].free()
     y = x + 250.0
     assert all_true(world, np.array_equal(halo_exchange(y, 1), padded(world, y, 1)))
     # Rank 0 missed: the others went ahead, settled their halos and built anew with it.
     assert all_true(world, len(settled) == 1)
     assert all_true(world, [type(r) for r in prepared] == ([] if world.rank == 0 else [type(None)]))
-    plans = mpidomain.plan_cache.cached_plans(manager)
+    plans = mpidomain.halo.cache.cached_plans(manager)
     assert all_true(world, len(plans) == 1 and not plans[0].freed)
     assert next_exchange_is_exact(world)

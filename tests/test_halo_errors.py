@@ -4,7 +4,8 @@ one rank raises on every rank of the domain group, listing what each rank had; n
 import numpy as np
 import pytest
 
-from mpidomain import DomainParallelManager, HaloPlan, get_domain_parallel_manager, halo, halo_exchange
+from mpidomain import DomainParallelManager, HaloPlan, get_domain_parallel_manager, halo_exchange
+from mpidomain.halo import plan as halo
 
 
 @pytest.fixture

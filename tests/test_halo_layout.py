@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from mpidomain.sharding import balanced_split
-from mpidomain.tile_layout import TileLayout
+from mpidomain.layout.tiles import TileLayout
 from reference import pad_along
 
 

@@ -86,7 +86,7 @@ def cycles(graph):
 
 def test_the_graph_sees_imports_inside_functions():
     graph = import_graph()
-    assert "mpidomain.demo" in graph["mpidomain.__main__"]  # imported inside a function only
+    assert "mpidomain.cli.demo" in graph["mpidomain.__main__"]  # imported inside a function only
 
 
 def test_cycle_finder_finds_a_cycle():
@@ -103,3 +103,30 @@ def test_no_import_cycles():
             lines += [f"{module} -> {target} (line {line})"
                       for target, line in sorted(graph[module].items()) if target in members]
     assert not found, "import cycles in the package:\n  " + "\n  ".join(lines)
+
+
+def _third_party(path):
+    """The top-level names of the absolute imports of the module at ``path`` (at any depth)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def test_the_layout_package_is_pure_arithmetic():
+    """``mpidomain.layout`` (which rows go where) reaches no module that moves bytes: its imports, followed to the
+    end, stay inside it and ``_validate``, and none of them imports MPI, torch or CuPy."""
+    graph, modules = import_graph(), _modules()
+    reached, pending = set(), [m for m in graph if m == "mpidomain.layout" or m.startswith("mpidomain.layout.")]
+    while pending:
+        module = pending.pop()
+        if module not in reached:
+            reached.add(module)
+            pending += graph[module]
+    outside = sorted(m for m in reached if not m.startswith("mpidomain.layout") and m != "mpidomain._validate")
+    assert not outside, f"mpidomain.layout reaches {outside}"
+    heavy = {m: sorted(_third_party(modules[m]) & {"mpi4py", "torch", "cupy"}) for m in reached}
+    assert not any(heavy.values()), heavy

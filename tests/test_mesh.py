@@ -17,7 +17,7 @@ from mpi4py import MPI
 import mpidomain
 from mpidomain import DomainParallelManager
 from mpidomain.__main__ import main
-from mpidomain.mesh import AXES, Mesh
+from mpidomain.layout.mesh import AXES, Mesh
 from mpitest import REPO, divisors, run_mpi
 
 

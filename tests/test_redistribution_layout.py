@@ -11,7 +11,7 @@ import itertools
 import numpy as np
 import pytest
 
-from mpidomain.redistribution_layout import (Layout, RowMove, contiguous_layout, long_window_layout,
+from mpidomain.layout.moves import (Layout, RowMove, contiguous_layout, long_window_layout,
                                              short_window_layout, window_move)
 from mpidomain.sharding import balanced_split
 

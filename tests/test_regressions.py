@@ -15,8 +15,9 @@ from mpi4py import MPI
 
 import mpidomain
 import mpidomain.nn
-from mpidomain import (DomainParallelManager, allreduce, gather_tensor, halo, halo_call, halo_exchange, plan_cache,
-                       scatter_tensor, sharding)
+from mpidomain import (DomainParallelManager, allreduce, gather_tensor, halo_exchange, scatter_tensor,
+                       sharding)
+from mpidomain.halo import cache as plan_cache, call as halo_call, plan as halo
 from mpitest import run_mpi, share
 from reference import pad_along
 

@@ -43,7 +43,7 @@ def test_balanced_split():
     with pytest.raises(TypeError, match=r"extent must be an int, got 7.5 \(float\)"):
         balanced_split(7.5, 2)
     # One split: the pure layout module's, public from mpidomain and mpidomain.sharding as before.
-    assert balanced_split is mpidomain.sharding.balanced_split is mpidomain.tile_layout.balanced_split
+    assert balanced_split is mpidomain.sharding.balanced_split is mpidomain.layout.tiles.balanced_split
 
 
 def test_no_manager_or_one_rank_returns_x(world, fresh_manager):

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 import mpidomain
-from mpidomain import DomainParallelManager, HaloPlan, halo_exchange, plan_cache
+from mpidomain import DomainParallelManager, HaloPlan, halo_exchange
+from mpidomain.halo import cache as plan_cache
 from mpitest import REPO, divisors, run_mpi
 
 import reference

@@ -18,7 +18,7 @@ torch = pytest.importorskip("torch")
 from mpidomain import DomainParallelManager, balanced_split, redistribute  # noqa: E402
 from mpidomain.nn import (DomainParallelWindowAttention, Redistribute, allreduce_gradients,  # noqa: E402
                           window_attention_spec)
-from mpidomain.redistribution_layout import window_move  # noqa: E402
+from mpidomain.layout.moves import window_move  # noqa: E402
 from mpitest import REPO, divisors, run_mpi, share  # noqa: E402
 
 TOLERANCE = 1e-12

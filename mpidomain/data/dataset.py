@@ -5,7 +5,7 @@ import torch
 from torch.utils.data import Dataset, DistributedSampler
 
 from .._agreement import agree
-from .._validate import require_manager
+from .._current import require_manager
 from ..manager import library_comm
 from .select import _grid, select_tile
 from .window import tile_window

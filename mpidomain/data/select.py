@@ -15,7 +15,7 @@ from xarray.core import indexing
 
 from .._agreement import agree
 from .._errors import digest
-from .._validate import require_manager
+from .._current import require_manager
 from ..manager import library_comm
 from .window import tile_window
 

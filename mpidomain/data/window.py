@@ -2,7 +2,7 @@
 
 A :class:`TileWindow` lists, for each padded row and column of this rank's
 tile, the row or column of the global field it holds (-1: zeros), as
-:class:`~mpidomain.tile_layout.TileLayout` (the halo engine's arithmetic)
+:class:`~mpidomain.layout.tiles.TileLayout` (the halo engine's arithmetic)
 places them; so a tile read with its halos equals the tile read without, then
 padded by :func:`mpidomain.halo_exchange`. No I/O, no MPI, no xarray.
 """
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Tuple
 
 from .._validate import is_int
-from ..tile_layout import TileLayout, balanced_split
+from ..layout.tiles import TileLayout, balanced_split
 
 __all__ = ["TileWindow", "tile_window"]
 

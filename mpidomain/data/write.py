@@ -38,7 +38,8 @@ from xarray.backends.zarr import FillValueCoder, encode_zarr_attr_value, encode_
 from .._agreement import agree
 from .._mpi import mpi
 from .._waits import wait_all
-from .._validate import is_int, require_manager
+from .._current import require_manager
+from .._validate import is_int
 from ..manager import library_comm
 from .write_layout import AxisSplit, absent_axis, block_moves, place_tiles, tile_coordinates
 

@@ -16,7 +16,7 @@ from typing import Tuple
 
 import numpy as np
 
-from ..tile_layout import balanced_split
+from ..layout.tiles import balanced_split
 
 __all__ = ["AxisSplit", "absent_axis", "block_moves", "place_tiles", "tile_coordinates"]
 

@@ -13,7 +13,7 @@ import xarray as xr
 from .._waits import wait_all
 from ..data import write_tile
 from ..manager import library_comm
-from ..tile_layout import balanced_split
+from ..layout.tiles import balanced_split
 
 __all__ = ["write_synthetic_store", "SYNTHETIC_VARIABLES", "grid_coordinates"]
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .._validate import require_manager
+from .._current import require_manager
 from ..manager import get_domain_parallel_manager
 from ._shard import shard_dims
 from .builtin_rules import BUILTIN_RULES, LOCAL_REASONS, allow_local_rule, axis_of, child_reasons

@@ -26,11 +26,11 @@ import numpy as np
 import torch
 
 from .._agreement import agree
-from .._validate import require_manager
+from .._current import require_manager
 from .._waits import allgather_ints
 from ..manager import library_comm
-from ..redistribution_layout import RowMove, contiguous_layout
-from ..tile_layout import balanced_split
+from ..layout.moves import RowMove, contiguous_layout
+from ..layout.tiles import balanced_split
 from ._shard import place
 from .halo import HaloExchange
 from .redistribution import Redistribute

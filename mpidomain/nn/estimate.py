@@ -32,8 +32,8 @@ import torch
 
 from .._validate import is_int
 from ..manager import domain_layout
-from ..redistribution_layout import window_move
-from ..tile_layout import balanced_split
+from ..layout.moves import window_move
+from ..layout.tiles import balanced_split
 from . import rows
 from ._shard import Wrapper, shard_dims
 from .conv import DomainParallelPeriodicConv2d, _ForwardConv, _TransposedConv

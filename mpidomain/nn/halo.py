@@ -14,7 +14,7 @@ wraps around the domain group's ends.
 
 import torch
 
-from ..halo_call import halo_exchange
+from ..halo.call import halo_exchange
 
 __all__ = ["HaloExchange"]
 

@@ -112,7 +112,7 @@ class DomainParallelInterpolate(torch.nn.Module):
 
         With tiles, the input rows along each sharded dim in turn, then the taps along each.
         """
-        from .._validate import require_manager
+        from .._current import require_manager
 
         name = "DomainParallelInterpolate"
         manager = require_manager(self.manager, name)

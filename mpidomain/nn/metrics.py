@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from .._agreement import agree
-from .._validate import require_manager
+from .._current import require_manager
 from ..manager import library_comm, sharded_dims
 from ..reduce import reduce_array
 

@@ -7,7 +7,7 @@ any instance (and its children) as it is, so converting twice changes nothing.
 
 import torch
 
-from .._validate import require_manager
+from .._current import require_manager
 
 __all__ = ["DomainParallelModule"]
 

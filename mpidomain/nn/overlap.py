@@ -16,7 +16,7 @@ The halos travel as the exchange of a **thin** tensor: the rank's first and last
 ``halo`` rows, ``2 * halo`` rows on every rank (uneven shards included), whose
 exchanged ghost rows are exactly those of the whole shard (the previous rank's
 last rows and the next rank's first rows, zeros or the other end's rows at the
-domain's ends). It uses :func:`mpidomain.halo_call.cached_plan` and the plan's
+domain's ends). It uses :func:`mpidomain.halo.call.cached_plan` and the plan's
 public ``start``/``wait``, so the agreement step, plan cache and tags are the
 ones every halo exchange uses. Backward is overlapped as well: the gradients of
 the ghost rows (``2 * halo`` rows) go back to their owners through the same
@@ -36,7 +36,7 @@ import os
 
 import torch
 
-from ..halo_call import cached_plan
+from ..halo.call import cached_plan
 from .rows import Window, ceil_div
 
 __all__ = ["DEFAULT", "ENVIRONMENT", "overlap_default", "overlapped_rows", "resolve", "set_overlap"]

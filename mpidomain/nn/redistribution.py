@@ -39,7 +39,7 @@ class Redistribute(torch.nn.Module):
     with its rows in ``move.source``'s layout and gets its rows of
     ``move.target`` (see :func:`mpidomain.redistribution.redistribute`).
 
-    :param move: A :class:`~mpidomain.redistribution_layout.RowMove` over the ranks that share ``dim``; with
+    :param move: A :class:`~mpidomain.layout.moves.RowMove` over the ranks that share ``dim``; with
         tiles, a pair of them (latitude's, longitude's) to re-deal both dims in one all-to-all.
     :param dim: A dim the manager shards (with tiles, -2 or -1, or both: ``(-2, -1)`` with a pair of moves).
     :param manager: Default: the global manager from ``initialize_domain_parallel``.

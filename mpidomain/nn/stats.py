@@ -20,7 +20,7 @@ rank contributes; the MPI algorithm moves a small multiple of it: a ring about
 import torch
 
 from .. import comm_stats
-from .._validate import require_manager
+from .._current import require_manager
 
 __all__ = ["CommStats", "LABELS", "layer_kind"]
 

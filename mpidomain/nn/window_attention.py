@@ -8,7 +8,7 @@ so that every rank holds whole windows, runs the module unchanged, and sends
 the output rows back to their owners; backward is the exact adjoint. Short-range
 windows (``"short"``: ``window`` neighbouring rows) and long-range ones
 (``"long"``: rows spaced ``extent // window`` apart across the whole field)
-differ only in the layout (:mod:`mpidomain.redistribution_layout`).
+differ only in the layout (:mod:`mpidomain.layout.moves`).
 
 :func:`window_attention_spec` recognises such a module by what it has
 (``attn_type`` "short" or "long", ``window_size``, ``to_qkv``, ``to_out``,
@@ -22,7 +22,7 @@ import torch
 from .._agreement import agree
 from .._validate import is_int
 from ..manager import library_comm, sharded_dims
-from ..redistribution_layout import WINDOW_KINDS, window_move
+from ..layout.moves import WINDOW_KINDS, window_move
 from ._shard import Wrapper, layer_extents, place, shard_dims
 from .redistribution import Redistribute, inverse_move
 
@@ -67,7 +67,7 @@ class DomainParallelWindowAttention(Wrapper):
     them) and gets its rows of the single-process output. Along each dim the
     manager shards, the rows are re-dealt so that every rank holds whole windows
     (blocks of whole windows for ``"short"``; whole long-range groups, ``l1``-major,
-    for ``"long"``: :mod:`mpidomain.redistribution_layout`), the wrapped module's
+    for ``"long"``: :mod:`mpidomain.layout.moves`), the wrapped module's
     own forward runs on them, and the output rows return to their owners
     (one all-to-all each way: along the one dim that needs it, or with tiles
     over both dims at once, each pixel sent straight to its window's rank;

@@ -20,7 +20,7 @@ data-parallel groups striding by ``D``.
 
 import math
 
-from ._validate import is_int
+from .._validate import is_int
 
 __all__ = ["Mesh", "AXES"]
 

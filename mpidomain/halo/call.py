@@ -6,16 +6,17 @@ checks the ranks' arguments and settles the plan cache alike on every rank
 first with the same arguments) starts the halos together with the step, and
 one whose pad is a single copy runs a path prepared once per spelling of the
 arguments (:func:`_pad_found`). The plans themselves, and how their bytes
-move, are :mod:`mpidomain.halo`'s.
+move, are :mod:`mpidomain.halo.plan`'s.
 """
 
 from typing import NamedTuple
 
-from . import devices, plan_cache
-from ._agreement import AheadMessages, Agreement, agreement_code
-from ._validate import require_manager
-from .halo import HaloPlan
-from .halo_spec import describe, group_mismatch
+from .. import devices
+from . import cache as plan_cache
+from .._agreement import AheadMessages, Agreement, agreement_code
+from .._current import require_manager
+from .plan import HaloPlan
+from .spec import describe, group_mismatch
 
 __all__ = ["cached_plan", "halo_exchange"]
 
@@ -45,7 +46,7 @@ def cached_plan(x, halo_width, dim=None, *, periodic=False, boundary=None, manag
     and settles hit or miss for all ranks at once: if any rank misses, all
     build a new plan together. A disagreement raises on every rank, listing
     what each rank had. Each manager keeps its own last
-    :data:`~mpidomain.plan_cache.CACHE_SIZE` plans.
+    :data:`~mpidomain.halo.cache.CACHE_SIZE` plans.
     """
     return _plan(x, HaloCall(halo_width, dim, periodic, boundary, manager, call))
 
@@ -54,7 +55,7 @@ class _Spelling:
     """One spelling of ``halo_exchange``'s arguments the cache has seen (its quick key's entry).
 
     ``signature`` and ``code`` are what its agreement compares, ``mine`` the
-    :class:`~mpidomain.halo_spec.HaloSpec` they described. ``agreement`` is
+    :class:`~mpidomain.halo.spec.HaloSpec` they described. ``agreement`` is
     the pad's :class:`~mpidomain._agreement.Agreement` with the plan's halos to go
     ahead of it (``ahead``), prepared by the first pad that finds the plan this way and
     started again by each one after it.

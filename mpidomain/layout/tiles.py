@@ -33,7 +33,7 @@ import itertools
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
-from ._validate import require_int
+from .._validate import require_int
 
 __all__ = ["Message", "Piece", "TileLayout", "MODES", "balanced_split"]
 

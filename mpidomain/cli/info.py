@@ -3,9 +3,9 @@
 import importlib.util
 import socket
 
-from ._mpi import mpi
-from .devices import cuda_aware_decision
-from .manager import library_comm
+from .._mpi import mpi
+from ..devices import cuda_aware_decision
+from ..manager import library_comm
 
 __all__ = ["cuda_visible", "gather_layout", "format_layout"]
 

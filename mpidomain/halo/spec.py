@@ -2,10 +2,10 @@
 
 :class:`HaloSpec` is built once per call (:func:`describe`; local, raising
 TypeError/ValueError for a local mistake), the same way for slabs, tiles and
-the Earth: per dim of the exchange's grid (:class:`~mpidomain.tile_layout.TileLayout`).
+the Earth: per dim of the exchange's grid (:class:`~mpidomain.layout.tiles.TileLayout`).
 Its :meth:`~HaloSpec.signature` is what every rank must pass alike (one
 agreement step); :func:`check_tiles` gathers each rank's extents and raises
-alike on every rank. No plan, no buffers: the engine (:mod:`mpidomain.halo`)
+alike on every rank. No plan, no buffers: the engine (:mod:`mpidomain.halo.plan`)
 builds on a spec the ranks agreed on.
 """
 
@@ -13,11 +13,11 @@ import dataclasses
 
 import numpy as np
 
-from . import devices
-from ._agreement import agree
-from ._waits import allgather_ints
-from ._validate import normalize_dim, require_int
-from .manager import sharded_dims
+from .. import devices
+from .._agreement import agree
+from .._waits import allgather_ints
+from .._validate import normalize_dim, require_int
+from ..manager import sharded_dims
 
 __all__ = ["HaloSpec", "describe", "group_mismatch", "agree_inputs", "check_tiles"]
 
@@ -35,7 +35,7 @@ class HaloSpec:
 
     ``dims`` is the exchange's grid (normalised, increasing): the dims it pads
     (``exchanged``) and the dims the manager shards; ``widths``, ``modes``
-    (:data:`~mpidomain.tile_layout.MODES`) and ``extents`` (this rank's, which
+    (:data:`~mpidomain.layout.tiles.MODES`) and ``extents`` (this rank's, which
     may differ between ranks) have one entry per grid dim. ``other_extents``
     holds the extents of the other dims (None along the grid), which may not.
     """

@@ -12,7 +12,7 @@ window attention of CREDIT's CrossFormer expects:
 
 - ``"short"`` (:func:`short_window_layout`): windows of ``window`` neighbouring
   rows; each rank takes a block of whole windows, dealt out as evenly as
-  :func:`~mpidomain.tile_layout.balanced_split` deals rows;
+  :func:`~mpidomain.layout.tiles.balanced_split` deals rows;
 - ``"long"`` (:func:`long_window_layout`): with ``G = extent // window``
   groups, group ``h`` is the rows ``h, h + G, h + 2G, ...`` (spaced ``G``
   apart across the whole field); each rank takes a run of whole groups, dealt
@@ -29,8 +29,8 @@ import functools
 import itertools
 from dataclasses import dataclass
 
-from ._validate import require_int
-from .tile_layout import balanced_split
+from .._validate import require_int
+from .tiles import balanced_split
 
 __all__ = ["Layout", "RowMove", "contiguous_layout", "short_window_layout", "long_window_layout", "window_move",
            "WINDOW_KINDS"]

@@ -17,12 +17,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ._mpi import mpi
-from .manager import initialize_domain_parallel, library_comm
-from .models import UNet, convert_model
-from .nn import allreduce_gradients
-from .reduce import allreduce
-from .sharding import shard_tensor
+from .._mpi import mpi
+from ..manager import initialize_domain_parallel, library_comm
+from ..models import UNet, convert_model
+from ..nn import allreduce_gradients
+from ..reduce import allreduce
+from ..sharding import shard_tensor
 
 __all__ = ["synthetic_batch", "run_demo"]
 

@@ -14,13 +14,14 @@ import statistics
 
 import numpy as np
 
-from . import devices, info, transport
-from ._errors import rank_ranges
-from ._mpi import mpi
-from .halo_call import halo_exchange
-from .sharding import gather_tensor, shard_tensor
-from .manager import library_comm
-from .tile_layout import balanced_split
+from .. import devices, transport
+from . import info
+from .._errors import rank_ranges
+from .._mpi import mpi
+from ..halo.call import halo_exchange
+from ..sharding import gather_tensor, shard_tensor
+from ..manager import library_comm
+from ..layout.tiles import balanced_split
 
 __all__ = ["run_check"]
 

@@ -1,4 +1,4 @@
-"""Halo exchange along the sharded dimension: reusable plans (``halo_exchange`` is :mod:`mpidomain.halo_call`'s).
+"""Halo exchange along the sharded dimension: reusable plans (``halo_exchange`` is :mod:`mpidomain.halo.call`'s).
 
 Each rank of a domain group holds a slab of a global field along ``dim``;
 a stencil (a convolution) on that slab needs ``halo_width`` rows of each
@@ -17,7 +17,7 @@ the domain group, finds the neighbours, and prepares the transfers:
   libraries) and handed to MPI directly when it is CUDA-aware, or staged
   through pinned host buffers otherwise.
 
-Every plan is a :class:`~mpidomain.tile_layout.TileLayout`'s (a slab is a
+Every plan is a :class:`~mpidomain.layout.tiles.TileLayout`'s (a slab is a
 grid of tiles with one sharded dim): on a 2-D decomposition (latitude x
 longitude tiles), along several dims at once, or with ``boundary="earth"``,
 every block of the padded tile (edges and corners) comes from the rank that
@@ -39,14 +39,15 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import comm_stats, devices, plan_cache, transport
-from ._datatypes import block_shape, message, struct_of_blocks
-from ._exit import stands_down_at_exit
-from ._mpi import is_active, mpi
-from ._waits import wait_all
-from ._validate import require_manager
-from .halo_spec import agree_inputs, check_tiles, describe
-from .tile_layout import TileLayout
+from .. import comm_stats, devices, transport
+from . import cache as plan_cache
+from .._datatypes import block_shape, message, struct_of_blocks
+from .._exit import stands_down_at_exit
+from .._mpi import is_active, mpi
+from .._waits import wait_all
+from .._current import require_manager
+from .spec import agree_inputs, check_tiles, describe
+from ..layout.tiles import TileLayout
 
 __all__ = ["HaloPlan", "PadStart"]
 
@@ -80,7 +81,7 @@ class HaloPlan:
     :meth:`pad_prepared`, ``halo_exchange``'s, whose agreement step settles what they
     take for granted). Free the plan with :meth:`free` or a ``with`` block; closing
     the manager frees it as well. ``plan.layout`` (a
-    :class:`~mpidomain.tile_layout.TileLayout`) says which rows go where;
+    :class:`~mpidomain.layout.tiles.TileLayout`) says which rows go where;
     ``plan.transport`` how they reach MPI; ``plan.pads_in_one_copy`` whether a pad copies
     the shard in one NumPy copy (a host shard under 4 MiB). ``plan.dim``, ``plan.halo_width``
     and ``plan.periodic`` are the arguments, normalised (one value per padded
@@ -118,7 +119,7 @@ class HaloPlan:
 
     @classmethod
     def from_spec(cls, x, spec, manager, call):
-        """Build a plan for ``x`` from the :class:`~mpidomain.halo_spec.HaloSpec` ``spec`` the ranks agreed on already.
+        """Build a plan for ``x`` from the :class:`~mpidomain.halo.spec.HaloSpec` ``spec`` the ranks agreed on already.
 
         Collective like the constructor (the extents are still gathered), without its agreement step.
         """
@@ -127,7 +128,7 @@ class HaloPlan:
         return plan
 
     def _build(self, x, mine, manager, comm, call):
-        """The constructor's work once the ranks agree on :class:`~mpidomain.halo_spec.HaloSpec` ``mine``: the layout, buffers and
+        """The constructor's work once the ranks agree on :class:`~mpidomain.halo.spec.HaloSpec` ``mine``: the layout, buffers and
         requests."""
         self.manager = manager
         self.kind = devices.array_kind(x)
