@@ -162,7 +162,9 @@ def _shared(reports, policy):
 
 def _bind(policy, comm, local_rank, local_size, node_index, devices):
     """Collective core of :func:`bind_device`: choose, select, gather, warn."""
-    agree(comm, "bind_device", list(policy) if isinstance(policy, tuple) else policy, error=_policy_error(policy),
+    error = _policy_error(policy)
+    description = None if error is not None else list(policy) if isinstance(policy, tuple) else policy
+    agree(comm, "bind_device", description, error=error,
           mismatch=must_match("bind_device", "pass the same policy on every rank"))
     index, error = _choose(policy, local_rank, local_size, devices)
     agree(comm, "bind_device", None, error=error)

@@ -151,12 +151,13 @@ class DomainParallelManager:
             )
         error = (_argument_error(world_size, domain_parallel_size, shard_dim, comm.Get_size(), tensor_parallel_size)
                  or binding._policy_error(bind_device))
-        agree(comm, "DomainParallelManager",
-              tuple(_plain(v) for v in (world_size, domain_parallel_size, shard_dim, tensor_parallel_size,
-                                         bool(torch_bridge), bind_device)),
-              error=error, mismatch=must_match(
-                  "(world_size, domain_parallel_size, shard_dim, tensor_parallel_size, torch_bridge, bind_device)",
-                  "Pass the same values everywhere."))
+        # A rank with a local error describes nothing: its arguments may not even pickle.
+        description = None if error is not None else tuple(
+            _plain(v) for v in (world_size, domain_parallel_size, shard_dim, tensor_parallel_size, bool(torch_bridge),
+                                bind_device))
+        agree(comm, "DomainParallelManager", description, error=error, mismatch=must_match(
+            "(world_size, domain_parallel_size, shard_dim, tensor_parallel_size, torch_bridge, bind_device)",
+            "Pass the same values everywhere."))
         self.torch_bridge = bool(torch_bridge)
         self._torch_default_group = bridge.acquire_default_group(comm) if self.torch_bridge else None
 

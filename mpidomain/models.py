@@ -17,7 +17,10 @@ import torch.nn.functional as F
 from .nn import Decision, DomainParallelPeriodicConv2d, Rule, convert_to_domain_parallel
 
 __all__ = ["PeriodicConv", "UNet", "FieldCrossFormer", "RULES", "convert_model", "custom_converters",
-           "credit_crossformer", "credit_missing"]
+           "credit_crossformer", "credit_missing", "CREDIT_INSTALL"]
+
+#: The line that installs what CREDIT's CrossFormer needs here (its own requirements pull a CUDA torchvision).
+CREDIT_INSTALL = "pip install einops && pip install --no-deps miles-credit==2026.2.0"
 
 
 class PeriodicConv(torch.nn.Module):
@@ -127,11 +130,11 @@ def credit_crossformer_module():
 
 
 def credit_missing():
-    """Return None if CREDIT's CrossFormer imports here, else the reason in one line."""
+    """Return None if CREDIT's CrossFormer imports here, else the reason and :data:`CREDIT_INSTALL` in one line."""
     try:
         credit_crossformer_module()
     except Exception as error:  # ImportError, or torchvision's RuntimeError on a CUDA wheel beside CPU torch
-        return f"{type(error).__name__}: {error}".splitlines()[0][:200]
+        return f"{type(error).__name__}: {str(error).splitlines()[0][:200]}; {CREDIT_INSTALL}"
     return None
 
 
@@ -149,8 +152,7 @@ def credit_crossformer(channels, levels, surface_channels, height, width, *, dim
     try:
         module = credit_crossformer_module()
     except ImportError as error:
-        raise ImportError(f"CREDIT's CrossFormer needs miles-credit and einops: pip install einops && "
-                          f"pip install --no-deps miles-credit ({error})") from error
+        raise ImportError(f"CREDIT's CrossFormer needs miles-credit and einops: {CREDIT_INSTALL} ({error})") from error
     model = module.CrossFormer(
         image_height=height, image_width=width, frames=1, channels=channels, levels=levels,
         surface_channels=surface_channels, input_only_channels=0, output_only_channels=0, dim=tuple(dim),

@@ -46,15 +46,19 @@ def _sharded(manager, ndim):
 
 def _pair(manager, shape, move, dim):
     """Both dims of tiles at once: ((lat dim, lon dim), (lat move, lon move)); ValueError naming the fix."""
-    if not manager.tiled or not isinstance(move, (tuple, list)) or len(move) != 2 or len(dim) != 2:
-        raise ValueError(f"redistribute moves rows along one dim, or with tiles along both sharded dims at once "
-                         f"(dim=(lat, lon) with a pair of moves), got dim={dim!r} with "
-                         f"{'a pair of moves' if isinstance(move, (tuple, list)) else 'one move'} on a manager with "
-                         f"domain_shape {manager.domain_shape}; call it once per dim")
+    pair = isinstance(move, (tuple, list))
+    if not manager.tiled:
+        raise ValueError(f"redistribute: a pair of dims or moves needs tiles, but the manager's domain_shape is "
+                         f"{manager.domain_shape} (slabs); call it once per dim, with one move")
+    if not pair or len(move) != 2 or len(dim) != 2:
+        given = f"{len(move)} moves" if pair else "one move"
+        raise ValueError(f"redistribute: with tiles, re-dealing both dims at once takes dim=(lat, lon) and a pair "
+                         f"of moves, got dim={tuple(dim)!r} with {given}; pass move=(lat_move, lon_move) and "
+                         f"dim={tuple(manager.shard_dim)!r}, or one move and one dim")
     dims = tuple(normalize_dim(d, shape) for d in dim)
     sharded = tuple(d % len(shape) for d in manager.shard_dims)
     if dims != sharded or dims[1] != dims[0] + 1:
-        raise ValueError(f"redistribute: dim={tuple(dim)} must be the manager's two sharded dims in its order "
+        raise ValueError(f"redistribute: dim={tuple(dim)!r} must be the manager's two sharded dims in its order "
                          f"(shard_dim={manager.shard_dim}), adjacent in x; otherwise call it once per dim")
     return dims, tuple(move)
 
@@ -62,9 +66,12 @@ def _pair(manager, shape, move, dim):
 def _describe(x, move, dim, manager):
     """What this rank passed (alike on every rank) and the group name; TypeError/ValueError for a local mistake."""
     moves = tuple(move) if isinstance(move, (tuple, list)) else (move,)
-    if not moves or not all(isinstance(m, RowMove) for m in moves):
-        raise TypeError(f"move must be a mpidomain.layout.moves.RowMove (or, with tiles, a pair of them), "
-                        f"got {type(move).__name__}; make one with window_move or RowMove(source, target)")
+    wrong = [(i, m) for i, m in enumerate(moves) if not isinstance(m, RowMove)]
+    if not moves or wrong:
+        what = (f"move[{wrong[0][0]}] is a {type(wrong[0][1]).__name__}" if isinstance(move, (tuple, list)) and wrong
+                else f"got {type(move).__name__}{' (empty)' * (not moves)}")
+        raise TypeError(f"move must be a mpidomain.layout.moves.RowMove (or, with tiles, a pair of them), {what}; "
+                        "make one with window_move or RowMove(source, target)")
     spec = devices.array_spec(x)
     if getattr(x, "requires_grad", False) is True:
         raise TypeError("redistribute is not differentiable; for a tensor that requires grad use "
@@ -87,14 +94,27 @@ def _describe(x, move, dim, manager):
             raise ValueError(f"redistribute: the move deals rows over {m.size} ranks, but {size} ranks share dim "
                              f"{d}; make the move for that many ranks")
         if shape[d] != m.source.extents[coord]:
+            where = (f"rank {coord} of the {group} group" if len(dims) == 1
+                     else f"tile coordinate {coord} along that dim")
             raise ValueError(f"redistribute: x has {shape[d]} rows along dim {d}, but the move's source layout gives "
-                             f"this rank (rank {coord} of the {group if len(dims) == 1 else 'domain'} group along "
-                             f"that dim) {m.source.extents[coord]}; pass the shard the move was made for")
+                             f"this rank ({where}) {m.source.extents[coord]}; pass the shard the move was made for")
     others = tuple(None if i in sharded else n for i, n in enumerate(shape))
     return (tuple(_code(m) for m in moves), dims, spec, others), (group, moves, coords)
 
 
 _code = functools.lru_cache(maxsize=256)(digest)  # a move's digest, once per move (hashing it is cheap)
+
+_FIELDS = ("move (or moves)", "dim", "array kind and dtype", "extents of the dims not sharded")
+
+
+def _mismatch(descriptions):
+    """The ValueError for ranks that passed different moves, dims, dtypes or extents: it names what differs."""
+    differing = [name for i, name in enumerate(_FIELDS) if len({repr(d[i]) for d in descriptions}) > 1]
+    listing = ", ".join(f"rank {r}: dim {dims}, {spec.kind} {spec.dtype}, extents {others}"
+                        for r, (_, dims, spec, others) in enumerate(descriptions))
+    return ValueError(f"redistribute needs the same move, dim, dtype and unsharded extents on every rank; the ranks "
+                      f"passed a different {' and '.join(differing)} ({listing}); build the move from the same "
+                      "layouts on every rank and pass the same dim")
 
 
 def redistribute(x, move, dim=None, *, manager=None):
@@ -131,7 +151,7 @@ def redistribute(x, move, dim=None, *, manager=None):
         description, route = _describe(x, move, manager.shard_dim if dim is None else dim, manager)
     except (TypeError, ValueError) as exc:
         error = exc
-    agree(domain, "redistribute", description, error=error)
+    agree(domain, "redistribute", description, error=error, mismatch=_mismatch)
     group, moves, coords = route
     return _move(library_comm(manager, group), x, moves, coords, description[1])
 
@@ -212,7 +232,8 @@ def _move(comm, x, moves, coords, dims):
     else:
         send_index, send_counts, reorder, recv_counts = _indices(moves, coords)
     if len(dims) > 1:  # the two dims as one of pixels (a view where x allows it)
-        x = x.reshape(tuple(x.shape[:dim]) + (-1,) + tuple(x.shape[dims[-1] + 1:]))
+        pixels = math.prod(int(n) for n in x.shape[dim:dims[-1] + 1])
+        x = x.reshape(tuple(x.shape[:dim]) + (pixels,) + tuple(x.shape[dims[-1] + 1:]))
     rest = tuple(int(n) for n in x.shape[:dim] + x.shape[dim + 1:])
     send = _take(x, send_index, dim)
     received = devices.empty((sum(recv_counts),) + rest, like=x)

@@ -9,7 +9,9 @@ records every ``DomainParallelWindowAttention`` call (its kind, window and this 
 then, for each, the bytes this rank sends (:class:`mpidomain.nn.CommStats`) for the move that deals
 whole windows out and its inverse, done two ways: one all-to-all over both dims (``redistribute`` with
 a pair of moves: what the layer does) and one along latitude then one along longitude. Forward and
-backward each make the move and its inverse, so a step sends twice each row's sum. The last line checks the sum of the pair column against CommStats of a real training step.
+backward each make the move and its inverse, so a step sends twice each row's sum. The table shows
+the busiest rank (the most bytes one dim after the other); the last line checks every rank's sum of the
+pair column against CommStats of a real training step.
 Counts are exact (no timing).
 """
 
@@ -27,6 +29,7 @@ import mpidomain  # noqa: E402
 from mpidomain import DomainParallelManager, redistribute  # noqa: E402
 from mpidomain.models import convert_model, credit_missing  # noqa: E402
 from mpidomain.nn import CommStats, DomainParallelWindowAttention, allreduce_gradients  # noqa: E402
+from mpidomain.nn.redistribution import inverse_move  # noqa: E402
 from mpidomain.nn.stats import LABELS  # noqa: E402
 from mpidomain.layout.moves import window_move  # noqa: E402
 
@@ -96,23 +99,21 @@ def main(argv=None):
                     for dim, move in moves:
                         z = redistribute(z, move, dim, manager=manager)
                     for dim, move in reversed(moves):
-                        inverse = tuple(m.inverse for m in move) if isinstance(move, tuple) else move.inverse
-                        z = redistribute(z, inverse, dim, manager=manager)
+                        z = redistribute(z, inverse_move(move), dim, manager=manager)
                 counts.append(2 * sent(stats))  # forward and backward
             rows.append((kind, window, mine, *counts))
         measured = whole.by_kind.get(LABELS[("alltoall", "attention")], 0)
         table = manager.domain_comm.gather(rows, root=0)
         totals = manager.domain_comm.gather(measured, root=0)
         if manager.domain_rank == 0:
+            # The busiest rank: the most bytes sent one dim after the other over the whole step.
+            busiest = max(range(size), key=lambda r: (sum(row[4] for row in table[r]), -r))
             print(f"CREDIT's CrossFormer {shape[0]} x {shape[1]}, {tiles[0]} x {tiles[1]} tiles, float32, batch 1: "
-                  "window attention all-to-all bytes per step (forward + backward), busiest rank")
-            print(f"{'layer':>5} {'kind':>5} {'window':>6} {'input (rank 0)':>22} {'one dim, then the other':>24} "
+                  f"window attention all-to-all bytes per step (forward + backward), busiest rank ({busiest})")
+            print(f"{'layer':>5} {'kind':>5} {'window':>6} {'input':>22} {'one dim, then the other':>24} "
                   f"{'both at once':>13} {'ratio':>6}")
             one = both = 0
-            for n in range(len(rows)):
-                a = max(table[r][n][4] for r in range(size))
-                b = max(table[r][n][3] for r in range(size))
-                kind, window, mine = table[0][n][:3]
+            for n, (kind, window, mine, b, a) in enumerate(table[busiest]):
                 one, both = one + a, both + b
                 print(f"{n:>5} {kind:>5} {window:>6} {str(mine):>22} {a:>24,} {b:>13,} "
                       f"{b / a if a else 1:>6.3f}")

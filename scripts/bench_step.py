@@ -155,8 +155,7 @@ def bench(name, args, world):
         missing = credit_missing()
         if missing is not None:
             if rank == 0:
-                print(f"crossformer: skipped, CREDIT's CrossFormer does not import here ({missing}); "
-                      "pip install einops && pip install --no-deps miles-credit==2026.2.0", flush=True)
+                print(f"crossformer: skipped, CREDIT's CrossFormer does not import here ({missing})", flush=True)
             return
     shape = args.shape
     if name == "cnn":  # the U-Net needs even sizes: 181 x 360 runs on 180 x 360

@@ -25,7 +25,7 @@ LOOPBACK = {"MASTER_ADDR": "127.0.0.1"}
 
 # How to install CREDIT, the skip reason of every test that needs it (--no-deps: its own requirements pull
 # torchvision, whose PyPI wheels are CUDA builds that cannot load beside a CPU torch).
-CREDIT_INSTALL = "pip install --no-deps miles-credit==2026.2.0"
+CREDIT_INSTALL = "pip install einops && pip install --no-deps miles-credit==2026.2.0"
 
 
 def import_credit(name="credit"):

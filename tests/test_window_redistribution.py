@@ -251,6 +251,41 @@ def test_the_spec_is_read_from_what_the_module_has():
         DomainParallelWindowAttention(torch.nn.Identity())
 
 
+def test_a_pair_on_odd_inputs(world):
+    """On 2 x 2 tiles: channels-last and an empty batch give the two moves' result; a wrong element of the pair
+    names itself; a dtype that differs on one rank names the differing field; every rank raises alike."""
+    if world.size != 4:
+        pytest.skip("2 x 2 tiles need 4 ranks")
+    problems, messages = [], []
+    rng = np.random.default_rng(5)
+    for shard_dim, shape in (((-3, -2), (2, 12, 8, 3)), ((-2, -1), (0, 3, 12, 8))):
+        with DomainParallelManager(4, (2, 2), shard_dim) as manager:
+            full = rng.standard_normal(shape)
+            moves = moves_for(manager, shape, "long", 2)
+            x = np.ascontiguousarray(shard_of(full, manager))
+            y = redistribute(x, tuple(m for _, m in moves), shard_dim, manager=manager)
+            z = x
+            for dim, move in moves:
+                z = redistribute(z, move, dim, manager=manager)
+            if y.shape != z.shape or not (y == z).all():
+                problems.append(f"shard_dim={shard_dim}, shape {shape}: the pair differs from the two moves")
+    with DomainParallelManager(4, (2, 2), (-2, -1)) as manager:
+        shape = (1, 2, 8, 8)
+        pair = tuple(m for _, m in moves_for(manager, shape, "short", 2))
+        x = np.zeros(shard_of(np.zeros(shape), manager).shape, dtype=np.float32 if manager.domain_rank else np.float64)
+        for error, move, array in ((TypeError, (pair[0], 3), x.astype(np.float64)), (ValueError, pair, x)):
+            try:
+                redistribute(array, move, (-2, -1), manager=manager)
+                messages.append(None)
+            except error as caught:
+                messages.append(str(caught))
+    everyone = world.allgather((problems, messages))
+    assert all(theirs == everyone[0] for theirs in everyone), everyone
+    assert not problems, problems
+    assert messages[0] is not None and "move[1] is a int" in messages[0], messages
+    assert messages[1] is not None and "a different array kind and dtype" in messages[1], messages
+
+
 def test_a_layout_that_cannot_work_raises_alike_on_every_rank(world):
     """A latitude extent the window does not divide, and a shard the move was not made for, raise alike everywhere."""
     messages = []

@@ -45,8 +45,9 @@ from .._datatypes import block_shape, message, struct_of_blocks
 from .._exit import stands_down_at_exit
 from .._mpi import is_active, mpi
 from .._waits import wait_all
+from .._agreement import agree
 from .._current import require_manager
-from .spec import agree_inputs, check_tiles, describe
+from .spec import check_tiles, describe, group_mismatch
 from ..layout.tiles import TileLayout
 
 __all__ = ["HaloPlan", "PadStart"]
@@ -114,7 +115,7 @@ class HaloPlan:
             mine = describe(x, halo_width, dim, periodic, manager, boundary)
         except (TypeError, ValueError) as exc:
             error = exc
-        agree_inputs(comm, "HaloPlan", mine, error)
+        agree(comm, "HaloPlan", None if mine is None else mine.signature(), error=error, mismatch=group_mismatch)
         self._build(x, mine, manager, comm, "HaloPlan")
 
     @classmethod
@@ -390,7 +391,7 @@ class HaloPlan:
         self._complete(x, out, source, working, fresh)
         return out
 
-    # -- a halo_exchange call that found the plan in its cache (halo_call.py) -----------------
+    # -- a halo_exchange call that found the plan in its cache (halo/call.py) ---------------
     def start_pad(self, x, host, out, agreement, messages):
         """Prepare ``x``'s padded result and, if ``agreement.ahead``, start its halos; return a :class:`PadStart`.
 

@@ -14,12 +14,11 @@ import dataclasses
 import numpy as np
 
 from .. import devices
-from .._agreement import agree
 from .._waits import allgather_ints
 from .._validate import normalize_dim, require_int
 from ..manager import sharded_dims
 
-__all__ = ["HaloSpec", "describe", "group_mismatch", "agree_inputs", "check_tiles"]
+__all__ = ["HaloSpec", "describe", "group_mismatch", "check_tiles"]
 
 _NUMBER_KINDS = "biufc"  # bool, signed, unsigned, float, complex
 
@@ -161,16 +160,6 @@ def group_mismatch(everyone):
             problems.append(f"{field} must be the same on every rank of the domain group, got {listing}")
     kind = TypeError if problems[0].startswith(("array", "dtype", "call")) else ValueError
     return kind("halo exchange inputs disagree across the domain group:\n  " + "\n  ".join(problems))
-
-
-def agree_inputs(comm, call, mine, error):
-    """Agree on the ranks' :class:`HaloSpec` ``mine`` (None after a local ``error``) for ``call``, or raise on
-    every rank; one Allreduce.
-
-    A thin alias of the one collective check, kept for ``halo.py``'s caller: it is
-    ``agree(comm, call, mine.signature(), error=error, mismatch=group_mismatch)``; call that directly.
-    """
-    agree(comm, call, None if mine is None else mine.signature(), False, error, group_mismatch)
 
 
 def check_tiles(comm, mine, manager, call):

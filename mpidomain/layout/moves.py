@@ -21,7 +21,7 @@ window attention of CREDIT's CrossFormer expects:
   -> (b h w) d l1 l2")`` on the local rows finds exactly its windows.
 
 A rank may get no window (more ranks than windows along the dim): it then holds
-zero rows. tests/test_redistribution_layout.py checks every layout of 1-5
+zero rows. tests/test_layout_moves.py checks every layout of 1-5
 ranks in one process.
 """
 

@@ -19,7 +19,7 @@ So ``boundary="earth"`` is ``("fold", "periodic")``, and equals CREDIT's
 into rectangular :class:`Piece` s, each a block of one rank's tile (mirrored or
 not), a block of zeros, or the tile itself. :class:`TileLayout` turns them into
 the :class:`Message` s :class:`mpidomain.HaloPlan` moves, the ghost blocks of
-zeros and the local copies; tests/test_tile_layout.py (grids, the Earth) and
+zeros and the local copies; tests/test_layout_tiles.py (grids, the Earth) and
 tests/test_halo_layout.py (slabs of every group size) check it against padded
 global fields in one process.
 
