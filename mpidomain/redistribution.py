@@ -14,10 +14,11 @@ received rows are put in the target's local order. Device arrays go through
 
 The move (pure, immutable, from :mod:`mpidomain.layout.moves`) is the
 plan: building it communicates nothing, and the index arrays made from it are
-cached per (move, rank, device), so a cache hit or miss on one rank cannot put
-the ranks out of step. Every call starts with one agreement step: a different
-move, dim, dtype, or a local mistake on any rank raises on every rank before
-any byte moves. The adjoint of a move is its inverse (a permutation of rows):
+cached per (moves, this rank's coordinates, device), so a cache hit or miss on
+one rank cannot put the ranks out of step. Every call starts with one agreement
+step: a different move, dim, dtype, or a local mistake on any rank raises on
+every rank before any byte moves (with tiles, a move along one dim then agrees
+on the other extents within the ranks that share it). The adjoint of a move is its inverse (a permutation of rows):
 :class:`mpidomain.nn.Redistribute` is the differentiable form.
 """
 
@@ -28,7 +29,7 @@ import math
 import numpy as np
 
 from . import comm_stats, devices, transport
-from ._agreement import agree
+from ._agreement import agree, must_match
 from ._errors import digest
 from ._mpi import mpi
 from ._current import require_manager
@@ -51,9 +52,10 @@ def _pair(manager, shape, move, dim):
         raise ValueError(f"redistribute: a pair of dims or moves needs tiles, but the manager's domain_shape is "
                          f"{manager.domain_shape} (slabs); call it once per dim, with one move")
     if not pair or len(move) != 2 or len(dim) != 2:
-        given = f"{len(move)} moves" if pair else "one move"
+        given = (f"{len(move)} move{'s' * (len(move) != 1)}" if pair else "one move")
+        dims_given = dim[0] if len(dim) == 1 else tuple(dim)
         raise ValueError(f"redistribute: with tiles, re-dealing both dims at once takes dim=(lat, lon) and a pair "
-                         f"of moves, got dim={tuple(dim)!r} with {given}; pass move=(lat_move, lon_move) and "
+                         f"of moves, got dim={dims_given!r} with {given}; pass move=(lat_move, lon_move) and "
                          f"dim={tuple(manager.shard_dim)!r}, or one move and one dim")
     dims = tuple(normalize_dim(d, shape) for d in dim)
     sharded = tuple(d % len(shape) for d in manager.shard_dims)
@@ -64,11 +66,15 @@ def _pair(manager, shape, move, dim):
 
 
 def _describe(x, move, dim, manager):
-    """What this rank passed (alike on every rank) and the group name; TypeError/ValueError for a local mistake."""
+    """(what this rank passed, alike on every rank; (group name, moves, coordinates along them)).
+
+    TypeError/ValueError for a local mistake.
+    """
     moves = tuple(move) if isinstance(move, (tuple, list)) else (move,)
     wrong = [(i, m) for i, m in enumerate(moves) if not isinstance(m, RowMove)]
     if not moves or wrong:
-        what = (f"move[{wrong[0][0]}] is a {type(wrong[0][1]).__name__}" if isinstance(move, (tuple, list)) and wrong
+        name = type(wrong[0][1]).__name__ if wrong else ""
+        what = (f"move[{wrong[0][0]}] is a{'n' * (name[:1].lower() in 'aeiou')} {name}" if isinstance(move, (tuple, list)) and wrong
                 else f"got {type(move).__name__}{' (empty)' * (not moves)}")
         raise TypeError(f"move must be a mpidomain.layout.moves.RowMove (or, with tiles, a pair of them), {what}; "
                         "make one with window_move or RowMove(source, target)")
@@ -104,13 +110,13 @@ def _describe(x, move, dim, manager):
 
 _code = functools.lru_cache(maxsize=256)(digest)  # a move's digest, once per move (hashing it is cheap)
 
-_FIELDS = ("move (or moves)", "dim", "array kind and dtype", "extents of the dims not sharded")
+_FIELDS = ("move (or moves)", "dim", "array kind, dtype and device", "extents of the dims not sharded")
 
 
 def _mismatch(descriptions):
     """The ValueError for ranks that passed different moves, dims, dtypes or extents: it names what differs."""
     differing = [name for i, name in enumerate(_FIELDS) if len({repr(d[i]) for d in descriptions}) > 1]
-    listing = ", ".join(f"rank {r}: dim {dims}, {spec.kind} {spec.dtype}, extents {others}"
+    listing = ", ".join(f"rank {r}: dim {dims}, {spec.kind} {spec.dtype} on {spec.device}, extents {others}"
                         for r, (_, dims, spec, others) in enumerate(descriptions))
     return ValueError(f"redistribute needs the same move, dim, dtype and unsharded extents on every rank; the ranks "
                       f"passed a different {' and '.join(differing)} ({listing}); build the move from the same "
@@ -153,7 +159,21 @@ def redistribute(x, move, dim=None, *, manager=None):
         error = exc
     agree(domain, "redistribute", description, error=error, mismatch=_mismatch)
     group, moves, coords = route
-    return _move(library_comm(manager, group), x, moves, coords, description[1])
+    comm = library_comm(manager, group)
+    dims = description[1]
+    if manager.tiled and len(dims) == 1:
+        # The other tile dim's extent differs between columns (bands) of tiles, so the domain's agreement leaves it
+        # out; the ranks that share this move must still hold alike rows, or their Alltoallv could not match.
+        # A mismatch within one group is then raised on every rank of the domain.
+        rest = tuple(int(n) for i, n in enumerate(x.shape) if i != dims[0])
+        try:
+            agree(comm, "redistribute", rest, mismatch=must_match(
+                f"redistribute: the extents of x apart from dim {dims[0]} (the ranks of one {group} group)",
+                "Pass each rank its own tile of the same field."))
+        except ValueError as exc:
+            error = exc
+        agree(domain, "redistribute", None, error=error)
+    return _move(comm, x, moves, coords, dims)
 
 
 def _flat(rows, extents):

@@ -26,8 +26,10 @@ def import_graph():
     """Return {module: {imported module: first line}} over every import statement, at any depth.
 
     ``from . import x`` where ``x`` is a submodule counts as importing ``x``
-    (not the package); the parent packages Python runs on the way are not
-    counted (every module would then depend on ``mpidomain/__init__.py``).
+    (not the package). Importing a module of a subpackage also runs that
+    subpackage's ``__init__.py``: it counts as an edge too, unless the importer
+    is inside that subpackage (its ``__init__`` then runs already); the root
+    ``mpidomain/__init__.py`` is not counted (every module would depend on it).
     """
     modules = _modules()
     graph = {}
@@ -48,6 +50,11 @@ def import_graph():
                     submodule = f"{source}.{alias.name}"
                     targets.append(submodule if submodule in modules else source)
             for target in targets:
+                parts = target.split(".")
+                # the subpackages Python runs on the way, outside the importer's own
+                for ancestor in (".".join(parts[:k]) for k in range(2, len(parts))):
+                    if ancestor in modules and not (name + ".").startswith(ancestor + "."):
+                        edges.setdefault(ancestor, node.lineno)
                 if target in modules and target != name:
                     edges.setdefault(target, node.lineno)
     return graph
@@ -87,6 +94,12 @@ def cycles(graph):
 def test_the_graph_sees_imports_inside_functions():
     graph = import_graph()
     assert "mpidomain.cli.demo" in graph["mpidomain.__main__"]  # imported inside a function only
+
+
+def test_the_graph_sees_the_subpackages_run_on_the_way():
+    graph = import_graph()
+    assert "mpidomain.halo" in graph["mpidomain.nn.overlap"]  # from ..halo.plan import ...: halo/__init__ runs
+    assert "mpidomain.halo" not in graph["mpidomain.halo.call"]  # inside the subpackage: its __init__ runs already
 
 
 def test_cycle_finder_finds_a_cycle():

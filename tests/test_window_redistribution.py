@@ -253,7 +253,8 @@ def test_the_spec_is_read_from_what_the_module_has():
 
 def test_a_pair_on_odd_inputs(world):
     """On 2 x 2 tiles: channels-last and an empty batch give the two moves' result; a wrong element of the pair
-    names itself; a dtype that differs on one rank names the differing field; every rank raises alike."""
+    names itself; a dtype that differs on one rank names the differing field; a tile one column short on one rank in
+    a latitude move raises; every rank raises alike."""
     if world.size != 4:
         pytest.skip("2 x 2 tiles need 4 ranks")
     problems, messages = [], []
@@ -279,11 +280,20 @@ def test_a_pair_on_odd_inputs(world):
                 messages.append(None)
             except error as caught:
                 messages.append(str(caught))
+        # One latitude move: a rank whose tile is one column short must not leave its column's Alltoallv unmatched.
+        tile = shard_of(np.zeros(shape), manager)
+        lat_move = moves_for(manager, shape, "short", 2)[0][1]
+        try:
+            redistribute(tile[..., :tile.shape[-1] - (manager.domain_rank == 2)], lat_move, -2, manager=manager)
+            messages.append(None)
+        except ValueError as caught:
+            messages.append(str(caught))
     everyone = world.allgather((problems, messages))
     assert all(theirs == everyone[0] for theirs in everyone), everyone
     assert not problems, problems
-    assert messages[0] is not None and "move[1] is a int" in messages[0], messages
-    assert messages[1] is not None and "a different array kind and dtype" in messages[1], messages
+    assert messages[0] is not None and "move[1] is an int" in messages[0], messages
+    assert messages[1] is not None and "a different array kind, dtype and device" in messages[1], messages
+    assert messages[2] is not None and "the extents of x apart from dim 2" in messages[2], messages
 
 
 def test_a_layout_that_cannot_work_raises_alike_on_every_rank(world):

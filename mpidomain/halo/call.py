@@ -82,7 +82,7 @@ class _Settled(NamedTuple):
     """What :func:`_settle` agreed on: the ``plan``, and the pad it started (None: pad with :meth:`HaloPlan.pad`)."""
 
     plan: HaloPlan
-    pad: object  # a halo.PadStart, for plan.finish_pad
+    pad: object  # a halo.plan.PadStart, for plan.finish_pad
 
 
 def _lookup(x, arguments):
@@ -291,6 +291,7 @@ def _padded(x, arguments, out=None):
                 cache.touch(plan)
                 return plan, padded
             plan = _rebuilt(x, found.info.mine, manager, cache, found.key)
+            # pad()'s local checks cannot fail on one rank alone here: the plan was just built from x, out fits it.
             return plan, plan.pad(x, out)
     settled = _settle(x, arguments, _Lookup(manager, cache, host, quick, found), out, padding=True)
     plan = settled.plan
