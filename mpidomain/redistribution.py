@@ -17,9 +17,10 @@ plan: building it communicates nothing, and the index arrays made from it are
 cached per (moves, this rank's coordinates, device), so a cache hit or miss on
 one rank cannot put the ranks out of step. Every call starts with one agreement
 step: a different move, dim, dtype, or a local mistake on any rank raises on
-every rank before any byte moves (with tiles, a move along one dim then agrees
-on the other extents within the ranks that share it). The adjoint of a move is its inverse (a permutation of rows):
-:class:`mpidomain.nn.Redistribute` is the differentiable form.
+every rank before any byte moves (with tiles, a move along one dim then checks,
+in one Allgather, the other extents of the ranks that share it). The adjoint of
+a move is its inverse (a permutation of rows): :class:`mpidomain.nn.Redistribute`
+is the differentiable form.
 """
 
 import functools
@@ -29,9 +30,10 @@ import math
 import numpy as np
 
 from . import comm_stats, devices, transport
-from ._agreement import agree, must_match
+from ._agreement import agree
 from ._errors import digest
 from ._mpi import mpi
+from ._waits import allgather_ints
 from ._current import require_manager
 from ._validate import normalize_dim
 from .manager import library_comm, sharded_dims
@@ -73,9 +75,10 @@ def _describe(x, move, dim, manager):
     moves = tuple(move) if isinstance(move, (tuple, list)) else (move,)
     wrong = [(i, m) for i, m in enumerate(moves) if not isinstance(m, RowMove)]
     if not moves or wrong:
-        name = type(wrong[0][1]).__name__ if wrong else ""
-        what = (f"move[{wrong[0][0]}] is a{'n' * (name[:1].lower() in 'aeiou')} {name}" if isinstance(move, (tuple, list)) and wrong
-                else f"got {type(move).__name__}{' (empty)' * (not moves)}")
+        if wrong and isinstance(move, (tuple, list)):
+            what = f"move[{wrong[0][0]}] has type {type(wrong[0][1]).__name__}"
+        else:
+            what = f"got {type(move).__name__}{' (empty)' * (not moves)}"
         raise TypeError(f"move must be a mpidomain.layout.moves.RowMove (or, with tiles, a pair of them), {what}; "
                         "make one with window_move or RowMove(source, target)")
     spec = devices.array_spec(x)
@@ -159,21 +162,32 @@ def redistribute(x, move, dim=None, *, manager=None):
         error = exc
     agree(domain, "redistribute", description, error=error, mismatch=_mismatch)
     group, moves, coords = route
-    comm = library_comm(manager, group)
     dims = description[1]
     if manager.tiled and len(dims) == 1:
-        # The other tile dim's extent differs between columns (bands) of tiles, so the domain's agreement leaves it
-        # out; the ranks that share this move must still hold alike rows, or their Alltoallv could not match.
-        # A mismatch within one group is then raised on every rank of the domain.
-        rest = tuple(int(n) for i, n in enumerate(x.shape) if i != dims[0])
-        try:
-            agree(comm, "redistribute", rest, mismatch=must_match(
-                f"redistribute: the extents of x apart from dim {dims[0]} (the ranks of one {group} group)",
-                "Pass each rank its own tile of the same field."))
-        except ValueError as exc:
-            error = exc
-        agree(domain, "redistribute", None, error=error)
-    return _move(comm, x, moves, coords, dims)
+        _check_group_extents(domain, manager, x, dims[0], group)
+    return _move(library_comm(manager, group), x, moves, coords, dims)
+
+
+def _check_group_extents(domain, manager, x, dim, group):
+    """With tiles, a move along one dim: raise ValueError on every rank unless the ranks that share it (a column or
+    band of tiles) hold the same extents apart from ``dim``; one Allgather over the domain group.
+
+    The other tile dim's extent differs between columns (bands), so the agreement leaves it out; within one, the
+    ranks' rows must be alike, or their Alltoallv could not match.
+    """
+    # The group: the ranks of one coordinate along the other tile dim (an x without that dim: one coordinate, 0).
+    other = next((s.coord for s in sharded_dims(manager, x.ndim) if s.dim != dim), 0)
+    rest = tuple(int(n) for i, n in enumerate(x.shape) if i != dim)
+    everyone = allgather_ints(domain, (other,) + rest, "redistribute")
+    extents = {}
+    for rank, (coord, *theirs) in enumerate(everyone):
+        extents.setdefault(coord, {}).setdefault(tuple(theirs), []).append(rank)
+    differing = {coord: found for coord, found in extents.items() if len(found) > 1}
+    if differing:
+        listing = "; ".join(", ".join(f"domain ranks {ranks}: {shape}" for shape, ranks in found.items())
+                            for found in differing.values())
+        raise ValueError(f"redistribute: the ranks of one {group} group must hold the same extents of x apart from "
+                         f"dim {dim}, got {listing}; pass each rank its own tile of the same field")
 
 
 def _flat(rows, extents):

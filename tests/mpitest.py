@@ -23,16 +23,16 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOOPBACK = {"MASTER_ADDR": "127.0.0.1"}
 
 
-# How to install CREDIT, the skip reason of every test that needs it (--no-deps: its own requirements pull
-# torchvision, whose PyPI wheels are CUDA builds that cannot load beside a CPU torch).
-CREDIT_INSTALL = "pip install einops && pip install --no-deps miles-credit==2026.2.0"
-
-
 def import_credit(name="credit"):
-    """Return CREDIT's module ``name``; where CREDIT is not installed, skip the test naming :data:`CREDIT_INSTALL`.
+    """Return CREDIT's module ``name``; where CREDIT is not installed, skip the test naming
+    :data:`mpidomain.models.CREDIT_INSTALL`.
 
-    Where CREDIT is installed but ``name`` fails to import, skips with the import error.
+    Where CREDIT is installed but ``name`` fails to import, skips with the import error; without torch (CREDIT's
+    models are torch modules), skips for torch.
     """
+    pytest.importorskip("torch")
+    from mpidomain.models import CREDIT_INSTALL
+
     if importlib.util.find_spec("credit") is None:
         pytest.skip(f"CREDIT (miles-credit) is not installed: {CREDIT_INSTALL}")
     return pytest.importorskip(name)

@@ -16,7 +16,7 @@ import credit_models  # noqa: E402
 from mpidomain import DomainParallelManager, gather_tensor, shard_tensor  # noqa: E402
 from mpidomain.nn import (DomainParallelPeriodicConv2d, DomainParallelTensorPadding, allreduce_gradients,  # noqa: E402
                           convert_to_domain_parallel)
-from mpitest import CREDIT_INSTALL  # noqa: E402
+from mpidomain.models import CREDIT_INSTALL  # noqa: E402
 
 TOLERANCE = 1e-9
 

@@ -291,9 +291,9 @@ def test_a_pair_on_odd_inputs(world):
     everyone = world.allgather((problems, messages))
     assert all(theirs == everyone[0] for theirs in everyone), everyone
     assert not problems, problems
-    assert messages[0] is not None and "move[1] is an int" in messages[0], messages
+    assert messages[0] is not None and "move[1] has type int" in messages[0], messages
     assert messages[1] is not None and "a different array kind, dtype and device" in messages[1], messages
-    assert messages[2] is not None and "the extents of x apart from dim 2" in messages[2], messages
+    assert messages[2] is not None and "must hold the same extents of x apart from dim 2" in messages[2], messages
 
 
 def test_a_layout_that_cannot_work_raises_alike_on_every_rank(world):
