@@ -10,6 +10,7 @@ resumes a checkpoint, forecasts, writes the forecast by tile and scores it.
 """
 
 import argparse
+import math
 import sys
 import warnings
 
@@ -17,6 +18,7 @@ from . import binding
 from .cli import check, info
 from ._errors import rank_ranges
 from ._mpi import mpi
+from .command import Requirement, UsageError, require, run_command
 from .manager import initialize_domain_parallel, library_comm
 
 
@@ -27,7 +29,7 @@ def _common(parser):
              "tensor-parallel replica in one group of latitude slabs)",
     )
     parser.add_argument(
-        "--tensor-parallel-size", "-T", type=int, default=1,
+        "--tensor-parallel-size", "-T", type=_positive, default=1,
         help="ranks per tensor-parallel group (default: 1); T x D must divide the number of ranks",
     )
     parser.add_argument(
@@ -60,12 +62,13 @@ def _parser():
                       help="where the test arrays live (default: cuda if every rank has a GPU, else cpu)")
     test.add_argument("--shape", type=_shape, default=None, metavar="B,C,H,W",
                       help="global array shape, sharded along H (default: 1,32,16*D,1440)")
-    test.add_argument("--halo-width", type=int, default=2, help="ghost rows on each side (default: 2)")
-    test.add_argument("--repeats", type=int, default=20, help="round trips per bandwidth measurement (default: 20)")
+    test.add_argument("--halo-width", type=_positive, default=2, help="ghost rows on each side (default: 2)")
+    test.add_argument("--repeats", type=_positive, default=20,
+                      help="round trips per bandwidth measurement (default: 20)")
     demo = commands.add_parser("demo", help="train a small U-Net domain-parallel and on one process; compare")
     demo.add_argument("--domain-parallel-size", "-D", type=_domain_size, default=2, metavar="D|DLATxDLON",
                       help="ranks per domain group, or latitude x longitude tiles such as 2x2 (default: 2)")
-    demo.add_argument("--steps", type=int, default=5, help="training steps (default: 5)")
+    demo.add_argument("--steps", type=_positive, default=5, help="training steps (default: 5)")
     demo.add_argument("--size", type=_size, default=(128, 256), metavar="HxW",
                       help="latitudes x longitudes of the synthetic fields (default: 128x256)")
     _forecast_options(commands.add_parser(
@@ -81,21 +84,23 @@ def _forecast_options(parser):
     parser.add_argument("--data", metavar="PATH", help="Zarr store with time x [level x] latitude x longitude "
                         "variables (default: write a synthetic ERA5-like store in --out)")
     parser.add_argument("--variables", type=_names, metavar="A,B,...",
-                        help="variables of the store to model (default: all on its grid)")
+                        help="variables of the store to model (default: all with dims time, [level,] latitude, "
+                             "longitude)")
     parser.add_argument("--domain-parallel-size", "-D", type=_domain_size, default=None, metavar="D|DLATxDLON",
                         help="ranks per domain group, or tiles such as 2x2; the other ranks form data-parallel "
                              "groups (default: 2 where the ranks are even, else 1)")
-    parser.add_argument("--steps", type=int, default=defaults.steps,
+    parser.add_argument("--steps", type=_positive, default=defaults.steps,
                         help=f"training steps; the last third trains on rollouts (default: {defaults.steps})")
-    parser.add_argument("--train-rollout", type=int, default=defaults.train_rollout, metavar="K",
+    parser.add_argument("--train-rollout", type=_positive, default=defaults.train_rollout, metavar="K",
                         help=f"rollout steps of the fine-tuning (default: {defaults.train_rollout})")
-    parser.add_argument("--rollout", type=int, default=defaults.rollout, metavar="K",
+    parser.add_argument("--rollout", type=_positive, default=defaults.rollout, metavar="K",
                         help=f"forecast steps (default: {defaults.rollout})")
-    parser.add_argument("--batch", type=int, default=defaults.batch,
+    parser.add_argument("--batch", type=_positive, default=defaults.batch,
                         help=f"samples per step over all data-parallel groups (default: {defaults.batch})")
-    parser.add_argument("--out", metavar="PATH", help="folder for the synthetic store, checkpoint and forecast "
-                        "(default: a new temporary folder)")
-    parser.add_argument("--plot", metavar="PNG", help="draw the loss curve and a forecast field beside the truth")
+    parser.add_argument("--out", metavar="PATH", help="folder for the synthetic store, checkpoints and forecast, made "
+                        "if missing (default: a new temporary folder)")
+    parser.add_argument("--plot", metavar="PNG", help="draw the loss curve and a forecast field beside the truth "
+                        "(needs matplotlib)")
     parser.add_argument("--model", choices=("auto", "cnn", "crossformer"), default=defaults.model,
                         help="CREDIT's CrossFormer, the built-in U-Net, or auto: CrossFormer where CREDIT is "
                              "installed (default: auto)")
@@ -104,12 +109,27 @@ def _forecast_options(parser):
     parser.add_argument("--grid", type=_size, default=defaults.grid, metavar="HxW",
                         help="latitudes x longitudes of the synthetic store (default: %s)" % "x".join(
                             map(str, defaults.grid)))
-    parser.add_argument("--times", type=int, default=defaults.times,
+    parser.add_argument("--times", type=_positive, default=defaults.times,
                         help=f"time steps of the synthetic store (default: {defaults.times})")
-    parser.add_argument("--lr", type=float, default=defaults.lr, help=f"Adam's learning rate (default: {defaults.lr})")
-    parser.add_argument("--seed", type=int, default=defaults.seed, help="seed of the weights and the samples drawn")
-    parser.add_argument("--resume", metavar="CHECKPOINT", help="continue training from a checkpoint (any -D)")
-    parser.add_argument("--stop-after", type=int, metavar="STEP",
+    parser.add_argument("--lr", type=_learning_rate, default=defaults.lr,
+                        help=f"Adam's learning rate (default: {defaults.lr})")
+    parser.add_argument("--seed", type=_nonnegative, default=defaults.seed,
+                        help="seed of the weights and the samples drawn (default: 0)")
+    parser.add_argument("--resume", metavar="CHECKPOINT|auto",
+                        help="continue training from a checkpoint (any -D), or auto: the newest complete one in --out "
+                             "(none: start fresh); a forecast store left by a stopped run is completed")
+    parser.add_argument("--checkpoint-every", type=_positive, metavar="N",
+                        help="also save a checkpoint every N training steps (default: at the end, at --stop-after "
+                             "and on a stop signal)")
+    parser.add_argument("--keep", type=_positive, default=defaults.keep, metavar="K",
+                        help=f"numbered checkpoints to keep in --out, the newest (default: {defaults.keep})")
+    parser.add_argument("--stop-signals", type=_signals, default=defaults.stop_signals, metavar="SIG,...",
+                        help="signals that stop training cleanly at the next step boundary with a checkpoint "
+                             f"(default: {','.join(defaults.stop_signals)})")
+    parser.add_argument("--skip-nan", action="store_true",
+                        help="skip a training step whose samples or loss are not finite (default: stop, naming the "
+                             "variable, time and step)")
+    parser.add_argument("--stop-after", type=_positive, metavar="STEP",
                         help="stop after this training step with a checkpoint (resume later with --resume)")
     parser.add_argument("--estimate", action="store_true",
                         help="print the predicted activation memory per rank for this layout, then stop")
@@ -119,6 +139,54 @@ def _forecast_defaults():
     from .forecast.settings import ForecastSettings  # no torch: the settings are plain data
 
     return ForecastSettings()
+
+
+def _positive(text):
+    """Parse an int >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
+
+
+def _nonnegative(text):
+    """Parse an int >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
+
+
+def _learning_rate(text):
+    """Parse a finite float > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0 such as 1e-3, got {text!r}")
+    return value
+
+
+def _signals(text):
+    """Parse --stop-signals: comma-separated signal names, e.g. SIGTERM,SIGUSR1."""
+    from .preemption import signal_number
+
+    names = tuple(n.strip().upper() for n in text.split(",") if n.strip())
+    try:
+        for name in names:
+            signal_number(name)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error))
+    if not names:
+        raise argparse.ArgumentTypeError(f"expected signal names such as SIGTERM,SIGUSR1, got {text!r}")
+    return tuple(n if n.startswith("SIG") or n.isdigit() else f"SIG{n}" for n in names)
 
 
 def _names(text):
@@ -134,9 +202,12 @@ def _device_policy(text):
     if text in ("auto", "none"):
         return text
     try:
-        return [int(i) for i in text.split(",")]
+        indices = [int(i) for i in text.split(",")]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected auto, none or device indices such as 0,1,2,3, got {text!r}")
+        indices = [-1]
+    if min(indices) < 0:
+        raise argparse.ArgumentTypeError(f"expected auto, none or device indices >= 0 such as 0,1,2,3, got {text!r}")
+    return indices
 
 
 def _shape(text):
@@ -158,8 +229,9 @@ def _domain_size(text):
         parts = tuple(int(n) for n in text.lower().split("x"))
     except ValueError:
         parts = ()
-    if len(parts) not in (1, 2):
-        raise argparse.ArgumentTypeError(f"expected a rank count such as 4 or tiles such as 2x2, got {text!r}")
+    if len(parts) not in (1, 2) or min(parts) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive rank count such as 4 or positive tiles such as 2x2, "
+                                         f"got {text!r}")
     return parts[0] if len(parts) == 1 else parts
 
 
@@ -175,21 +247,25 @@ def _size(text):
 
 
 def _demo(args):
+    require("demo", [Requirement("torch", "python -m mpidomain demo", "pip install torch")])
     from .cli.demo import run_demo  # imports torch
 
-    if args.steps < 1:
-        raise ValueError(f"--steps must be >= 1, got {args.steps}")
     return run_demo(args.steps, args.domain_parallel_size, args.size, out=lambda line: print(line, flush=True))
 
 
 def _forecast(args):
-    from .forecast import ForecastSettings, run_forecast  # imports torch, xarray and zarr
+    from .forecast.settings import ForecastSettings, requirements
 
     settings = ForecastSettings(
         data=args.data, variables=args.variables, domain=args.domain_parallel_size, steps=args.steps,
         train_rollout=args.train_rollout, rollout=args.rollout, batch=args.batch, out=args.out, plot=args.plot,
         model=args.model, dtype=args.dtype, grid=args.grid, times=args.times, lr=args.lr, seed=args.seed,
-        resume=args.resume, stop_after=args.stop_after, estimate=args.estimate)
+        resume=args.resume, stop_after=args.stop_after, estimate=args.estimate, checkpoint_every=args.checkpoint_every,
+        keep=args.keep, stop_signals=args.stop_signals, skip_nan=args.skip_nan)
+    required, optional = requirements(settings)
+    require("forecast", required, optional=optional)  # before the job's modules import them
+    from .forecast.job import run_forecast
+
     return run_forecast(settings, out=lambda line: print(line, flush=True))
 
 
@@ -217,13 +293,11 @@ def _check(args):
         manager = _manager(args, mpi().COMM_WORLD.Get_size())
     d, d_lon = (manager.domain_shape if manager.tiled else (manager.domain_parallel_size, 1))
     shape = args.shape or (1, 32, 16 * d, 1440)
-    if args.halo_width < 1 or args.repeats < 1:
-        raise ValueError(f"--halo-width and --repeats must be >= 1, got {args.halo_width} and {args.repeats}")
     tiles = manager.tiled
     for what, n, parts in (("rows", shape[-2], d), ("columns", shape[-1], d_lon)):
         if n // parts < args.halo_width:
             over = f"{parts} tiles" if tiles else f"D={parts} ranks"
-            raise ValueError(
+            raise UsageError(
                 f"--shape {','.join(map(str, shape))}: {n} {what} over {over} leaves some with "
                 f"{n // parts}, fewer than --halo-width {args.halo_width}; use at least {parts * args.halo_width} "
                 f"{what}"
@@ -234,7 +308,7 @@ def _check(args):
         device = "cuda" if all(has_gpu) else "cpu"
     elif device == "cuda" and not all(has_gpu):
         missing = [rank for rank, ok in enumerate(has_gpu) if not ok]
-        raise ValueError(
+        raise UsageError(
             f"--device cuda, but ranks {rank_ranges(missing)} have no CUDA device bound (torch or cupy with a GPU, "
             "and --bind-device not none); use --device cpu, or check the nodes' GPUs and CUDA_VISIBLE_DEVICES"
         )
@@ -244,20 +318,10 @@ def _check(args):
 
 
 def main(argv=None):
-    """Run the command line; return the process exit status."""
+    """Run the command line; return the process exit status (the same on every rank)."""
     args = _parser().parse_args(argv)
-    try:
-        return {"info": _info, "check": _check, "demo": _demo, "forecast": _forecast}[args.command](args)
-    except ImportError as error:  # the same installation on every rank
-        if mpi().COMM_WORLD.Get_rank() == 0:
-            print(f"python -m mpidomain {args.command}: error: {error}; install torch and the extra it needs "
-                  "(pip install 'mpidomain[forecast]' for forecast)", file=sys.stderr, flush=True)
-        return 2
-    except (ValueError, TypeError, RuntimeError) as error:
-        # Raised on every rank alike (mpidomain's collective checks): report once.
-        if mpi().COMM_WORLD.Get_rank() == 0:
-            print(f"python -m mpidomain {args.command}: error: {error}", file=sys.stderr, flush=True)
-        return 2
+    commands = {"info": _info, "check": _check, "demo": _demo, "forecast": _forecast}
+    return run_command(args.command, lambda: commands[args.command](args))
 
 
 if __name__ == "__main__":

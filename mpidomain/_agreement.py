@@ -17,7 +17,7 @@ import time
 import numpy as np
 
 from . import comm_stats
-from ._errors import digest, error_report, raise_reported, rank_ranges
+from ._errors import digest, error_report, raise_reported, raised_alike, rank_ranges
 from ._mpi import mpi
 from ._routing import route, routed_comm
 from ._waits import TIMED_OUT, group_name, timeout_error, timeout_seconds, wait_requests, wait_with_deadline, yield_core
@@ -138,7 +138,7 @@ class Agreement:
         comm, call, description, error = self._comm, self._call, self._description, self._error
         if same:
             if error is not None:
-                raise error
+                raise raised_alike(error, comm)
             return any_flag
         everyone = comm.allgather((call, description, error_report(error), self._owner))
         owners = {}
@@ -146,26 +146,26 @@ class Agreement:
             owners.setdefault(owner, []).append(rank)
         if len(owners) > 1:
             listing = ", ".join(f"{owner} on rank{'s' * (len(r) > 1)} {rank_ranges(r)}" for owner, r in owners.items())
-            raise RuntimeError(
+            raise raised_alike(RuntimeError(
                 f"{call}: the ranks of {group_name(comm)} use different managers in the same mpidomain call "
                 f"({listing}); every rank must use its managers in the same order: look for managers picked "
                 "by rank (or in an order that differs across ranks)"
-            )
+            ), comm)
         everyone = [e[:3] for e in everyone]
         calls = [c for c, _, _ in everyone]
         if len(set(calls)) > 1:
             listing = ", ".join(f"rank {r}: {c}" for r, c in enumerate(calls))
-            raise RuntimeError(
+            raise raised_alike(RuntimeError(
                 f"the ranks of one group are in different mpidomain calls ({listing}); every rank must make the "
                 "same collective calls in the same order: look for a call only some ranks make (under an if on "
                 "the rank, or skipped by an exception)"
-            )
-        raise_reported([report for _, _, report in everyone], error)  # the local errors first, alike everywhere
+            ), comm)
+        raise_reported([report for _, _, report in everyone], error, comm)  # the local errors first, alike everywhere
         descriptions = [d for _, d, _ in everyone]
         if self._mismatch is not None:
-            raise self._mismatch(descriptions)
+            raise raised_alike(self._mismatch(descriptions), comm)
         listing = ", ".join(f"rank {r}: {d!r}" for r, d in enumerate(descriptions))
-        raise ValueError(f"{call} needs the same arguments on every rank, got {listing}")
+        raise raised_alike(ValueError(f"{call} needs the same arguments on every rank, got {listing}"), comm)
 
 
 class AheadMessages:

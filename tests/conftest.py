@@ -35,8 +35,15 @@ _SLOW_KINDS = ("mpi_job", "bench", "fuzz")
 
 @pytest.hookimpl(tryfirst=True)  # before -m selects
 def pytest_collection_modifyitems(items):
-    # Static (from the markers alone), so every rank selects the same tests.
+    # Static (from the markers alone, and the environment every rank shares), so every rank selects the same tests.
+    fixed_jobs = os.environ.get("MPIDOMAIN_TEST_FIXED_JOBS", "1") != "0"
     for item in items:
+        if item.get_closest_marker("fixed_job"):
+            if not item.get_closest_marker("mpi_job"):
+                item.add_marker(pytest.mark.mpi_job)
+            if not fixed_jobs:
+                item.add_marker(pytest.mark.skip(reason="its jobs have a fixed size: they run in another pass "
+                                                        "(MPIDOMAIN_TEST_FIXED_JOBS=0)"))
         if any(item.get_closest_marker(kind) for kind in _SLOW_KINDS) and not item.get_closest_marker("slow"):
             item.add_marker(pytest.mark.slow)
 

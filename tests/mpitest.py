@@ -104,6 +104,16 @@ def program_lines(stderr):
     return lines
 
 
+def hiding_env(hide=(), broken=()):
+    """Return the environment that hides packages from a fresh job (``tests/hide/sitecustomize.py``).
+
+    ``hide``: import names that raise ModuleNotFoundError, as if not installed; ``broken``: names whose import
+    raises RuntimeError, as a package built for another torch does.
+    """
+    return {"PYTHONPATH": os.pathsep.join((os.path.join(REPO, "tests", "hide"), REPO)),
+            "MPIDOMAIN_TEST_HIDE": ",".join(hide), "MPIDOMAIN_TEST_BREAK": ",".join(broken)}
+
+
 def open_mpi():
     """Return True if mpi4py's MPI (so mpiexec_path()'s launcher) is Open MPI."""
     from mpi4py import MPI

@@ -15,8 +15,9 @@ xr = pytest.importorskip("xarray")
 pytest.importorskip("zarr")
 pytest.importorskip("tqdm")
 
+from mpidomain.command import UsageError  # noqa: E402
 from mpidomain.forecast import ForecastSettings, run_forecast  # noqa: E402
-from mpitest import program_lines, run_mpi, share  # noqa: E402
+from mpitest import run_mpi, share  # noqa: E402
 
 # The U-Net halves the field once: every tile needs an even number of rows and columns.
 SMALL = dict(model="cnn", grid=(16, 32), times=12, steps=6, train_rollout=2, rollout=3, batch=4)
@@ -103,18 +104,128 @@ def test_resume_at_another_layout_continues_the_run(world, tmp_path, fresh_manag
     assert_same(resumed, whole, FLOAT64, f"stopped at D={found[-1]}, resumed at D={found[0]}")
 
 
+def test_resume_at_the_same_layout_continues_bit_for_bit(world, tmp_path, fresh_manager):
+    d = layouts(world)[-1]
+    whole = run(world, tmp_path, "whole", domain=d)
+    run(world, tmp_path, "again", domain=d, stop_after=2)
+    checkpoint = os.path.join(folder(world, tmp_path, "again"), "checkpoint-000002.pt")
+    resumed = run(world, tmp_path, "resumed", domain=d, resume=checkpoint)
+    assert resumed[0] == whole[0]
+    for name in whole[1].data_vars:
+        assert np.array_equal(resumed[1][name].values, whole[1][name].values), name
+
+
+def test_resume_auto_takes_the_newest_complete_checkpoint(world, tmp_path, fresh_manager):
+    d = layouts(world)[-1]
+    whole = run(world, tmp_path, "whole", domain=d)
+    fresh = run(world, tmp_path, "run", domain=d, resume="auto", checkpoint_every=1, stop_after=3)
+    if world.rank == 0:
+        assert any(line.startswith("--resume auto: no complete checkpoint in ") and line.endswith("starting fresh")
+                   for line in fresh[2]), fresh[2]
+        out = folder(world, tmp_path, "run")
+        assert sorted(os.listdir(out)) == ["checkpoint-000001.pt", "checkpoint-000002.pt", "checkpoint-000003.pt",
+                                           "checkpoint.pt", "era5-synthetic.zarr"]
+        with open(os.path.join(out, "checkpoint-000004.pt.partial"), "wb") as file:
+            file.write(b"a run was killed while writing this")
+        with open(os.path.join(out, "checkpoint-000003.pt"), "r+b") as file:
+            file.truncate(100)  # corrupt
+    else:
+        folder(world, tmp_path, "run")
+    resumed = run(world, tmp_path, "run", domain=d, resume="auto")
+    if world.rank == 0:
+        lines = resumed[2]
+        assert any("--resume auto skips" in line and "checkpoint-000004.pt.partial: partial" in line for line in lines)
+        assert any("--resume auto skips" in line and "checkpoint-000003.pt:" in line for line in lines)
+        assert any(line.startswith("--resume auto: continuing from ") and "checkpoint-000002.pt (after step 2)" in line
+                   for line in lines), lines
+    assert resumed[0] == whole[0]
+    for name in whole[1].data_vars:
+        assert np.array_equal(resumed[1][name].values, whole[1][name].values), name
+
+
+def nan_store(world, tmp_path, times=12):
+    """A small store: t on 2 levels, sp, and an ensemble variable, with a NaN in t@500 at time index 2."""
+    path = None
+    if world.rank == 0:
+        path = str(tmp_path / "nan.zarr")
+        rng = np.random.default_rng(0)
+        t = rng.standard_normal((times, 2, 16, 32)).astype(np.float32)
+        t[2, 0, 3, 4] = np.nan
+        xr.Dataset(
+            {"t": (("time", "level", "latitude", "longitude"), t),
+             "sp": (("time", "latitude", "longitude"), rng.standard_normal((times, 16, 32)).astype(np.float32)),
+             "ens": (("time", "member", "latitude", "longitude"), np.zeros((times, 3, 16, 32), np.float32))},
+            coords={"time": np.arange(times) * np.timedelta64(6, "h") + np.datetime64("2020-01-01"),
+                    "level": [500, 850], "latitude": np.linspace(90, -90, 16), "longitude": np.arange(32) * 11.25},
+        ).to_zarr(path, consolidated=False)
+    return share(world, path)
+
+
+def test_a_nan_in_the_data_stops_naming_variable_time_and_step_or_is_skipped(world, tmp_path, fresh_manager):
+    data = nan_store(world, tmp_path)
+    with pytest.raises(UsageError, match=r"^step \d+: t@500 at time 2020-01-01T12:00:00 \(index 2\) of --data "
+                                         r".*nan.zarr is not finite \(NaN or Inf\); clean the data or lower --lr, "
+                                         "or pass --skip-nan to skip such steps$"):
+        run(world, tmp_path, "stops", data=data, domain=layouts(world)[-1])
+    losses, forecast, lines = run(world, tmp_path, "skips", data=data, domain=layouts(world)[-1], skip_nan=True)
+    assert sorted(forecast.data_vars) == ["sp", "t"]  # the ensemble variable is not on the grid: not taken
+    skipped = [i for i, loss in enumerate(losses) if np.isnan(loss)]
+    assert skipped and len(skipped) < len(losses)
+    if world.rank == 0:
+        assert f"({len(skipped)} skipped: not finite)" in lines[-1]
+        assert sum(line.startswith("skipped step ") for line in lines) == len(skipped)
+    with pytest.raises(UsageError, match=r"--variables: ens \('time', 'member', 'latitude', 'longitude'\) must have "
+                                         "the dims"):
+        run(world, tmp_path, "member", data=data, variables=("t", "ens"))
+
+
+def test_checkpoints_that_do_not_fit_are_refused_before_training(world, tmp_path, fresh_manager):
+    run(world, tmp_path, "three", stop_after=3)
+    checkpoint = os.path.join(folder(world, tmp_path, "three"), "checkpoint.pt")
+    with pytest.raises(UsageError, match=r"--resume .*checkpoint.pt: the checkpoint is after step 3, past --steps 2; "
+                                         "raise --steps"):
+        run(world, tmp_path, "two", steps=2, resume=checkpoint)
+    other = share(world, str(tmp_path / "other.pt") if world.rank == 0 else None)
+    if world.rank == 0:
+        state = torch.load(checkpoint, weights_only=False)
+        state["model"]["extra.weight"] = state["model"].pop("decode.weight")
+        torch.save(state, other)
+    with pytest.raises(UsageError, match=r"^--resume .*other.pt: the checkpoint holds another model: 1 weights missing "
+                                         r"\(e.g. decode.weight\); 1 unexpected \(e.g. extra.weight\); resume with"):
+        run(world, tmp_path, "other", resume=other)
+    assert not os.path.exists(os.path.join(folder(world, tmp_path, "other"), "checkpoint.pt"))
+
+
+def test_outputs_are_checked_before_any_work(world, tmp_path, fresh_manager):
+    a_file = share(world, str(tmp_path / "a_file") if world.rank == 0 else None)
+    if world.rank == 0:
+        open(a_file, "w").close()
+    world.Barrier()
+    with pytest.raises(UsageError, match="^--out .*a_file: a file, not a folder"):
+        run_forecast(ForecastSettings(**{**SMALL, "out": a_file}), out=lambda line: None)
+    out = folder(world, tmp_path, "plotted")
+    with pytest.raises(UsageError, match="^--plot .*missing/forecast.png: the folder .*missing does not exist"):
+        run_forecast(ForecastSettings(**{**SMALL, "out": out, "plot": os.path.join(out, "missing", "forecast.png")}),
+                     out=lambda line: None)
+    assert os.listdir(out) == []  # nothing made: not even the synthetic store
+
+
 def test_bad_data_and_checkpoint_raise_on_every_rank(world, tmp_path, fresh_manager):
     with pytest.raises(ValueError, match="--data .*no such Zarr store"):
-        run_forecast(ForecastSettings(**{**SMALL, "data": str(tmp_path / "missing.zarr"),
+        run_forecast(ForecastSettings(**{**SMALL, "data": folder(world, tmp_path, "missing.zarr"),
                                          "out": folder(world, tmp_path, "x")}), out=lambda line: None)
     with pytest.raises(ValueError, match="--resume .*no such file"):
         run_forecast(ForecastSettings(**{**SMALL, "resume": "/nonexistent/checkpoint.pt",
                                          "out": folder(world, tmp_path, "y")}), out=lambda line: None)
     with pytest.raises(ValueError, match="--rollout must be >= 1"):
         run_forecast(ForecastSettings(**{**SMALL, "rollout": 0}), out=lambda line: None)
+    if world.size > 1:
+        with pytest.raises(ValueError, match="the forecast's settings must be the same on every rank, but they differ "
+                                             "in seed: rank 0: 0, rank 1: 1"):
+            run_forecast(ForecastSettings(**{**SMALL, "seed": world.rank}), out=lambda line: None)
 
 
-@pytest.mark.mpi_job
+@pytest.mark.fixed_job
 def test_the_command_runs_and_draws(world, tmp_path):
     result = None
     if world.rank == 0:
@@ -133,20 +244,3 @@ def test_the_command_runs_and_draws(world, tmp_path):
     assert drawn and {"checkpoint.pt", "era5-synthetic.zarr", "forecast.zarr", "forecast.png"} <= set(files)
     assert "train" in stderr and "forecast" in stderr  # the progress bars (rank 0, stderr)
     assert "Exception ignored" not in stderr
-
-
-@pytest.mark.mpi_job
-@pytest.mark.parametrize("args, message", [
-    (["--steps", "0"], "--steps must be >= 1, got 0"),
-    (["-D", "3"], "-D 3 needs a number of ranks it divides"),
-    (["--batch", "3"], "--batch 3 must split evenly over the 2 data-parallel groups"),
-    (["--rollout", "x"], "argument --rollout: invalid int value"),
-])
-def test_bad_arguments_give_one_line_and_status_2(world, args, message):
-    result = None
-    if world.rank == 0:
-        done = run_mpi(4, ["-m", "mpidomain", "forecast", "--model", "cnn", *args], timeout=120)
-        result = (done.returncode, done.stdout, done.stderr)
-    status, stdout, stderr = share(world, result)
-    assert status == 2, stderr
-    assert len(program_lines(stderr)) == 1 and message in stderr, stderr

@@ -1,9 +1,13 @@
 """What one forecast job does: :class:`ForecastSettings`, checked before any rank starts work."""
 
+import math
 from dataclasses import dataclass
 from typing import Optional, Tuple, Union
 
-__all__ = ["ForecastSettings", "MODELS", "DTYPES"]
+from ..command import Requirement
+from ..preemption import signal_number
+
+__all__ = ["ForecastSettings", "MODELS", "DTYPES", "requirements"]
 
 MODELS = ("auto", "cnn", "crossformer")
 DTYPES = ("float32", "float64")
@@ -29,9 +33,15 @@ class ForecastSettings:
     :param times: Time steps of the synthetic store.
     :param lr: Adam's learning rate.
     :param seed: Seed of the model's weights and of the samples each step draws.
-    :param resume: Checkpoint to continue training from (at any layout of ranks).
+    :param resume: Checkpoint to continue training from (at any layout of ranks), or ``"auto"``: the newest
+        complete checkpoint in ``out`` (none: start fresh).
     :param stop_after: Stop after this training step, with a checkpoint, before the forecast.
     :param estimate: Print the predicted activation memory per rank for this layout and stop.
+    :param checkpoint_every: Also save a checkpoint after every this many training steps (None: only at the end,
+        at ``stop_after`` and on a stop signal).
+    :param keep: How many numbered checkpoints to keep in ``out`` (the newest).
+    :param stop_signals: Signals that stop the run cleanly at the next step boundary, with a checkpoint.
+    :param skip_nan: Skip a training step whose samples or loss are not finite (else: stop with an error).
     """
 
     data: Optional[str] = None
@@ -52,19 +62,43 @@ class ForecastSettings:
     resume: Optional[str] = None
     stop_after: Optional[int] = None
     estimate: bool = False
+    checkpoint_every: Optional[int] = None
+    keep: int = 3
+    stop_signals: Tuple[str, ...] = ("SIGTERM", "SIGUSR1")
+    skip_nan: bool = False
 
     def problems(self, world_size):
         """Return what is wrong with these settings for ``world_size`` ranks, one line each (empty: fine)."""
         found = []
-        for name in ("steps", "train_rollout", "rollout", "batch", "times"):
+        for name in ("steps", "train_rollout", "rollout", "batch", "times", "keep"):
             if getattr(self, name) < 1:
                 found.append(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.checkpoint_every is not None and self.checkpoint_every < 1:
+            found.append(f"--checkpoint-every must be >= 1, got {self.checkpoint_every}")
+        if self.seed < 0:
+            found.append(f"--seed must be >= 0, got {self.seed}")
+        if min(self.grid) < 1:
+            found.append(f"--grid must be two positive extents, got {'x'.join(map(str, self.grid))}")
+        shape = self.domain_shape(world_size)
+        if min(shape) < 1:
+            found.append(f"-D must be a positive rank count or positive tiles such as 2x2, got {self.domain_text(world_size)}")
+            return found
         if self.model not in MODELS:
             found.append(f"--model must be one of {', '.join(MODELS)}, got {self.model!r}")
         if self.dtype not in DTYPES:
             found.append(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        if self.lr <= 0:
-            found.append(f"--lr must be > 0, got {self.lr}")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            found.append(f"--lr must be a finite number > 0, got {self.lr}")
+        for name in self.stop_signals:
+            try:
+                signal_number(name)
+            except ValueError as error:
+                found.append(f"--stop-signals: {error}")
+        need = self.rollout + self.train_rollout + 2
+        if self.data is None and self.times < need:
+            found.append(f"--times {self.times} is too short: training on {self.train_rollout}-step rollouts and a "
+                         f"{self.rollout}-step forecast need at least {need} time steps; raise --times or lower "
+                         "--rollout / --train-rollout")
         if self.stop_after is not None and not 1 <= self.stop_after <= self.steps:
             found.append(f"--stop-after must be between 1 and --steps {self.steps}, got {self.stop_after}")
         d = self.domain_size(world_size)
@@ -90,3 +124,16 @@ class ForecastSettings:
     def domain_text(self, world_size):
         """The layout as -D spells it: ``4`` or ``2x2``."""
         return "x".join(str(d) for d in self.domain_shape(world_size))
+
+
+def requirements(settings):
+    """Return ``(required, optional)``: the :class:`~mpidomain.command.Requirement` s of a run of ``settings``.
+
+    Optional ones only add comfort (the progress bar: plain lines without it).
+    """
+    required = [Requirement("torch", "python -m mpidomain forecast (the model)", "pip install torch"),
+                Requirement("xarray", "python -m mpidomain forecast (reading and writing stores)", "pip install xarray"),
+                Requirement("zarr", "python -m mpidomain forecast (reading and writing stores)", "pip install 'zarr>=3'")]
+    if settings.plot:
+        required.append(Requirement("matplotlib", f"--plot {settings.plot}", "pip install matplotlib"))
+    return required, [Requirement("tqdm", "the progress bar", "pip install tqdm")]

@@ -1,0 +1,287 @@
+"""``python -m mpidomain forecast`` in fresh 4-rank jobs: faults on one rank, kills, the stop signal, missing
+packages, full or read-only output folders, and every option with a bad value.
+
+Each job has a fixed size (4 ranks), so these run once per CI pass set (``fixed_job``). A fault is injected by
+``tests/fault_driver.py`` on one rank at one stage; every rank must end within :data:`ENDS_WITHIN` seconds of it
+(the library's own wait timeout is 600 s), and the rerun with ``--resume auto`` must end as the uninterrupted run
+did: the same losses, and a forecast store equal array for array.
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from mpitest import REPO, hiding_env, launcher_env, program_lines, run_mpi, share
+
+torch = pytest.importorskip("torch")
+xr = pytest.importorskip("xarray")
+pytest.importorskip("zarr")
+
+pytestmark = pytest.mark.fixed_job
+
+ENDS_WITHIN = 20.0  # seconds from the fault until every rank has ended (3 s for a failure alone, then MPI_Abort)
+SMALL = ["--model", "cnn", "--grid", "16x32", "--times", "12", "--steps", "6", "--rollout", "3", "--checkpoint-every",
+         "2"]
+DRIVER = os.path.join(REPO, "tests", "fault_driver.py")
+
+
+def forecast(out, *args, fault=None, launcher="mpiexec", env=None, timeout=240):
+    """Run the forecast on 4 ranks (through the fault driver with ``fault``); return (status, stdout, stderr,
+    seconds, the fault's time or None)."""
+    program = [DRIVER, fault] if fault else ["-m", "mpidomain"]
+    args = [*program, "forecast", *SMALL, "--out", str(out), *args]
+    began = time.time()
+    if launcher == "srun":  # Slurm's own kill of the other tasks when one exits badly (-K), as job scripts set it
+        done = subprocess.run(["srun", "-n", "4", "-K", "--mpi=pmi2", sys.executable, *args], env=launcher_env(env),
+                              capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    else:
+        done = run_mpi(4, args, timeout=timeout, env=env)
+    ended = time.time()
+    faulted = re.search(r"FAULT \S+ ([\d.]+)", done.stderr)
+    return done.returncode, done.stdout, done.stderr, ended - began, float(faulted.group(1)) if faulted else None, ended
+
+
+def outcome(out):
+    """The losses of ``out``'s newest checkpoint and its forecast store's arrays (None where missing)."""
+    losses = torch.load(os.path.join(out, "checkpoint.pt"), weights_only=False)["losses"]
+    path = os.path.join(out, "forecast.zarr")
+    arrays = None
+    if os.path.exists(path):
+        store = xr.open_zarr(path, consolidated=False, chunks=None).load()
+        arrays = {name: store[name].values for name in [*store.data_vars, "time"]}
+    return losses, arrays
+
+
+def same(got, want):
+    losses, arrays = got
+    return losses == want[0] and arrays is not None and sorted(arrays) == sorted(want[1]) and all(
+        np.array_equal(arrays[name], want[1][name]) for name in arrays)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The uninterrupted run's losses and forecast store (computed on rank 0)."""
+    from mpi4py import MPI
+
+    world, result = MPI.COMM_WORLD, None
+    if world.rank == 0:
+        out = tmp_path_factory.mktemp("reference")
+        status, _, stderr, *_ = forecast(out)
+        assert status == 0, stderr[-3000:]
+        result = outcome(str(out))
+    return share(world, result)
+
+
+@pytest.mark.parametrize("stage, rank", [("setup", 3), ("data", 1), ("step", 2), ("checkpoint", 0),
+                                         ("forecast", 1), ("write", 1), ("plot", 0), ("scores", 1)])
+def test_a_failure_on_one_rank_ends_every_rank_at_once(world, tmp_path, stage, rank):
+    result = None
+    if world.rank == 0:
+        extra = ["--plot", str(tmp_path / "forecast.png")] if stage == "plot" else []
+        result = forecast(tmp_path / "run", *extra, fault=f"raise:{stage}:{rank}")
+    status, stdout, stderr, seconds, faulted, ended = share(world, result)
+    assert faulted is not None, stderr[-3000:]
+    assert status == 1, (status, stderr[-3000:])
+    # One rank's message (a failure a group settled, as a write's, names the failing rank within it).
+    line = re.search(r"^python -m mpidomain forecast: error on rank \d+: RuntimeError: (.*)$", stderr, re.M)
+    assert line and f"injected failure at {stage}" in line.group(1) and (
+        line.group(0).startswith(f"python -m mpidomain forecast: error on rank {rank}:") or f"rank {rank}:" in
+        line.group(1)), stderr[-3000:]
+    assert "ending the job on every rank" in stderr
+    assert ended - faulted < ENDS_WITHIN, f"ended {ended - faulted:.1f} s after the fault"
+
+
+@pytest.mark.parametrize("fault", ["kill:step:2:4", "kill:checkpoint:0:2", "kill:write:1:2"],
+                         ids=["in-training", "writing-a-checkpoint", "writing-a-forecast-step"])
+def test_a_killed_rank_ends_the_job_and_resume_auto_completes_it(world, tmp_path, reference, fault):
+    result = None
+    if world.rank == 0:
+        killed = forecast(tmp_path / "run", fault=fault)
+        partial = sorted(os.listdir(tmp_path / "run"))
+        rerun = forecast(tmp_path / "run", "--resume", "auto")
+        result = killed, partial, rerun, outcome(str(tmp_path / "run")) if rerun[0] == 0 else None
+    (status, _, stderr, _, faulted, ended), partial, rerun, got = share(world, result)
+    assert faulted is not None and status != 0, stderr[-3000:]
+    assert ended - faulted < ENDS_WITHIN, f"ended {ended - faulted:.1f} s after the kill"
+    if "checkpoint" in fault:
+        assert "checkpoint-000004.pt.partial" in partial and "checkpoint-000004.pt" not in partial, partial
+    assert rerun[0] == 0, rerun[2][-3000:]
+    if "checkpoint" in fault:
+        assert re.search(r"--resume auto skips \S+checkpoint-000004.pt.partial: partial", rerun[1]), rerun[1]
+    assert same(got, reference), (got[0], reference[0])
+
+
+def test_a_signal_on_one_rank_stops_cleanly_and_the_run_resumes(world, tmp_path, reference):
+    result = None
+    if world.rank == 0:
+        stopped = forecast(tmp_path / "run", fault="signal:step:2:3")
+        files = sorted(os.listdir(tmp_path / "run"))
+        rerun = forecast(tmp_path / "run", "--resume", "auto")
+        result = stopped, files, rerun, outcome(str(tmp_path / "run")) if rerun[0] == 0 else None
+    (status, stdout, stderr, *_), files, rerun, got = share(world, result)
+    assert status == 0, stderr[-3000:]
+    assert re.search(r"^stopped by SIGUSR1 on rank 2 after step 3: checkpoint \S+checkpoint-000003.pt; continue with "
+                     r"the same command and --resume auto", stdout, re.M), stdout
+    assert stdout.strip().splitlines()[-1].startswith("forecast stopped: cnn float32")
+    assert "checkpoint-000003.pt" in files and "forecast.zarr" not in files
+    assert rerun[0] == 0 and "--resume auto: continuing from" in rerun[1], rerun[2][-3000:]
+    assert same(got, reference)
+
+
+@pytest.mark.parametrize("hide, broken, args, message", [
+    (["matplotlib"], [], ["--plot", "PNG"], "matplotlib is needed for --plot PNG but does not import here "
+                                            "(ModuleNotFoundError: No module named 'matplotlib'); install it: "
+                                            "pip install matplotlib"),
+    ([], ["matplotlib"], ["--plot", "PNG"], "matplotlib is needed for --plot PNG but does not import here "
+                                            "(RuntimeError: matplotlib was built for another torch"),
+    (["zarr"], [], [], "zarr is needed for python -m mpidomain forecast (reading and writing stores) but does not "
+                       "import here (ModuleNotFoundError: No module named 'zarr'); install it: pip install 'zarr>=3'"),
+    (["xarray"], [], [], "xarray is needed for python -m mpidomain forecast (reading and writing stores)"),
+    (["torch"], [], [], "torch is needed for python -m mpidomain forecast (the model) but does not import here"),
+], ids=["matplotlib", "matplotlib-broken", "zarr", "xarray", "torch"])
+def test_a_missing_package_is_one_line_on_every_rank_within_seconds(world, tmp_path, hide, broken, args, message):
+    result = None
+    if world.rank == 0:
+        args = [str(tmp_path / "forecast.png") if a == "PNG" else a for a in args]
+        result = forecast(tmp_path / "run", *args, env=hiding_env(hide, broken))
+    status, stdout, stderr, seconds, *_ = share(world, result)
+    message = message.replace("PNG", str(tmp_path / "forecast.png"))
+    assert status == 2, stderr[-3000:]
+    assert program_lines(stderr) == [f"python -m mpidomain forecast: error: {program_lines(stderr)[0].split(': error: ')[1]}"]
+    assert message in stderr, stderr
+    assert "Traceback" not in stderr
+    assert seconds < 60, f"{seconds:.0f} s"
+    assert not os.path.exists(tmp_path / "run" / "checkpoint.pt")
+
+
+def test_without_tqdm_progress_comes_as_plain_lines(world, tmp_path):
+    result = None
+    if world.rank == 0:
+        result = forecast(tmp_path / "run", env=hiding_env(["tqdm"]))
+    status, stdout, stderr, *_ = share(world, result)
+    assert status == 0, stderr[-3000:]
+    assert stdout.count("progress: tqdm is not installed, so progress comes as plain lines (pip install tqdm for a "
+                        "bar)") == 1
+    assert "train: 6/6 steps" in stderr and "forecast: 3/3 steps" in stderr
+    assert stdout.strip().splitlines()[-1].startswith("forecast done:")
+
+
+def _mount(folder, options):
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(folder)], capture_output=True,
+                          text=True)
+    return done.returncode == 0
+
+
+def test_a_full_or_read_only_output_folder(world, tmp_path):
+    result = None
+    if world.rank == 0:
+        out = tmp_path / "small"
+        out.mkdir()
+        data = tmp_path / "data"
+        made = forecast(data, "--stop-after", "1")  # a synthetic store outside the small folder
+        if os.geteuid() != 0 or made[0] != 0 or not _mount(out, "size=600k"):
+            result = "skip"
+        else:
+            try:
+                store = str(data / "era5-synthetic.zarr")
+                full = forecast(out, "--data", store, "--checkpoint-every", "1", "--keep", "3")
+                files = sorted(os.listdir(out))
+                subprocess.run(["mount", "-o", "remount,ro", str(out)], check=True)
+                read_only = forecast(out, "--data", store, "--resume", "auto")
+                result = full, files, read_only
+            finally:
+                subprocess.run(["umount", str(out)], capture_output=True)
+    result = share(world, result)
+    if result == "skip":
+        pytest.skip("needs root and a tmpfs mount")
+    (status, stdout, stderr, *_), files, read_only = result
+    assert status == 1, stderr[-3000:]
+    [line] = program_lines(stderr)[-1:]
+    found = re.fullmatch(r"python -m mpidomain forecast: error: could not write the checkpoint \S+checkpoint-(\d+).pt "
+                         r"\(OSError: \[Errno 28\] No space left on device\); the newest complete checkpoint is still "
+                         r"\S+checkpoint-(\d+).pt; free space or make the folder writable, then resume", line)
+    assert found and int(found.group(2)) == int(found.group(1)) - 1, line
+    newest = max(int(name[11:17]) for name in files if re.fullmatch(r"checkpoint-\d{6}\.pt", name))
+    assert newest == int(found.group(2)) and not any(name.endswith(".partial") for name in files), files
+    status, _, stderr, *_ = read_only
+    assert status == 2 and program_lines(stderr)[-1].startswith(
+        f"python -m mpidomain forecast: error: --out {tmp_path / 'small'}: cannot write there (OSError: Read-only "
+        "file system)"), stderr[-2000:]
+
+
+CASES = """
+import contextlib, io, json, os, sys
+from mpi4py import MPI
+from mpidomain.__main__ import main
+
+results = []
+for args in json.loads(sys.argv[1]):
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            status = main(args)
+        except SystemExit as exit:
+            status = exit.code
+    results.append((args, status, err.getvalue()))
+if MPI.COMM_WORLD.rank == 0:
+    print(json.dumps(results))
+"""
+
+
+def test_every_option_with_a_bad_value_is_one_line_and_status_2(world, tmp_path):
+    """Each case under ``mpiexec -n 4`` in one job (each ``main`` call in turn): exit status 2, one line naming the
+    option, no traceback; a hang would end the job by the test's timeout."""
+    result = None
+    if world.rank == 0:
+        empty, text, corrupt, a_file = (tmp_path / n for n in ("empty.pt", "text.pt", "corrupt.pt", "a_file"))
+        empty.write_bytes(b"")
+        text.write_text("model weights\n")
+        corrupt.write_bytes(b"PK\x03\x04" + os.urandom(200))
+        a_file.write_text("")
+        store = tmp_path / "not_a_store"
+        store.mkdir()
+        (store / "notes.txt").write_text("mine")
+        out = str(tmp_path / "out")
+        base = ["forecast", "--model", "cnn", "--grid", "16x32", "--times", "12", "--steps", "2", "--rollout", "2"]
+        cases = [
+            ("-D", ["-D", "0"]), ("-D", ["-D", "2x0"]), ("-D", ["-D", "x"]), ("-D 3", ["-D", "3"]),
+            ("--steps", ["--steps", "0"]), ("--steps", ["--steps", "two"]), ("--train-rollout", ["--train-rollout", "0"]),
+            ("--rollout", ["--rollout", "-1"]), ("--batch", ["--batch", "0"]), ("--batch 3", ["--batch", "3"]),
+            ("--grid", ["--grid", "0x4"]), ("--grid", ["--grid", "16"]), ("--times", ["--times", "0"]),
+            ("--times 3", ["--times", "3"]), ("--lr", ["--lr", "inf"]), ("--lr", ["--lr", "-1"]),
+            ("--lr", ["--lr", "nan"]), ("--seed", ["--seed", "-1"]), ("--model", ["--model", "gpt"]),
+            ("--dtype", ["--dtype", "float16"]), ("--keep", ["--keep", "0"]),
+            ("--checkpoint-every", ["--checkpoint-every", "0"]), ("--stop-signals", ["--stop-signals", "SIGKILL"]),
+            ("--stop-signals", ["--stop-signals", "FOO"]), ("--stop-after", ["--stop-after", "0"]),
+            ("--stop-after", ["--stop-after", "5"]), ("--variables", ["--variables", ","]),
+            ("--variables", ["--variables", "t,nope", "--out", out]), ("--out", ["--out", str(a_file)]),
+            ("--plot", ["--out", out, "--plot", str(tmp_path / "missing" / "f.png")]),
+            ("--plot", ["--out", out, "--plot", str(tmp_path)]),
+            ("--data", ["--data", str(tmp_path / "missing.zarr"), "--out", out]),
+            ("--data", ["--data", str(store), "--out", out]),
+            ("--resume", ["--resume", str(tmp_path / "missing.pt"), "--out", out]),
+            ("--resume", ["--resume", str(empty), "--out", out]), ("--resume", ["--resume", str(text), "--out", out]),
+            ("--resume", ["--resume", str(corrupt), "--out", out]),
+        ]
+        other = [("--halo-width", ["check", "--halo-width", "0"]), ("--repeats", ["check", "--repeats", "0"]),
+                 ("--shape", ["check", "--shape", "1,2"]), ("--tensor-parallel-size", ["check", "-T", "0"]),
+                 ("--bind-device", ["check", "--bind-device", "-1"]), ("--device", ["check", "--device", "tpu"]),
+                 ("--steps", ["demo", "--steps", "0"]), ("--size", ["demo", "--size", "0x4"]), ("-D", ["demo", "-D", "0"]),
+                 ("-D", ["info", "-D", "0"])]
+        runs = [(name, base + args) for name, args in cases] + other
+        done = run_mpi(4, ["-c", CASES, json.dumps([args for _, args in runs])], timeout=600)
+        result = (done.returncode, done.stdout, done.stderr, [name for name, _ in runs])
+    status, stdout, stderr, names = share(world, result)
+    assert status == 0, stderr[-3000:]
+    results = json.loads(stdout.strip().splitlines()[-1])
+    for name, (args, code, err) in zip(names, results):
+        lines = err.strip().splitlines()
+        assert code == 2, (args, code, err)
+        assert len(lines) == 1 and "Traceback" not in err, (args, err)
+        assert name.split()[0] in lines[0] and ": error: " in lines[0], (args, lines)
