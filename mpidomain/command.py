@@ -19,10 +19,12 @@ line on every rank instead of a traceback or a hang.
 """
 
 import importlib
+import itertools
 import sys
 import time
 import traceback
 from dataclasses import dataclass
+from typing import Optional
 
 from ._agreement import agree
 from ._errors import raised_alike, raised_alike_on
@@ -44,11 +46,26 @@ class UsageError(ValueError):
 
 @dataclass(frozen=True)
 class Requirement:
-    """A package a command needs: ``module`` (the import name), what ``needed_for``, and the ``install`` line."""
+    """A package a command needs: ``module`` (the import name), what ``needed_for``, the ``install`` line, and
+    the ``minimum`` version (its ``__version__``) where an older one does not do."""
 
     module: str
     needed_for: str
     install: str
+    minimum: Optional[str] = None
+
+
+def _release(text):
+    """The leading numbers of a version: "3.1.5rc1" -> (3, 1, 5)."""
+    numbers = []
+    for part in str(text).split("."):
+        digits = "".join(itertools.takewhile(str.isdigit, part))
+        if not digits:
+            break
+        numbers.append(int(digits))
+        if len(digits) < len(part):
+            break
+    return tuple(numbers)
 
 
 def world():
@@ -85,15 +102,18 @@ def require(command, requirements, *, optional=()):
         if requirement.module in missing:
             continue
         try:
-            importlib.import_module(requirement.module)
+            module = importlib.import_module(requirement.module)
         except Exception as error:  # noqa: BLE001 - a broken install raises what it raises
-            missing[requirement.module] = _reason(error)
+            missing[requirement.module] = f"does not import here ({_reason(error)})"
+            continue
+        found = getattr(module, "__version__", None)
+        if requirement.minimum and found is not None and _release(found) < _release(requirement.minimum):
+            missing[requirement.module] = f"is too old here (version {found}; {requirement.minimum} or newer needed)"
     error = None
     for requirement in requirements:
         if requirement.module in missing:
-            error = UsageError(
-                f"{requirement.module} is needed for {requirement.needed_for} but does not import here "
-                f"({missing[requirement.module]}); install it: {requirement.install}")
+            error = UsageError(f"{requirement.module} is needed for {requirement.needed_for} but "
+                               f"{missing[requirement.module]}; install it: {requirement.install}")
             break
     agree(comm, f"{command}: checking the installed packages", None, error=error)
     names = {requirement.module for requirement in optional}

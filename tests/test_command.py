@@ -24,6 +24,15 @@ def test_require_names_the_package_what_needs_it_and_the_install_line(world):
     assert message.endswith("install it: pip install mpidomain-no-such-package")
 
 
+def test_a_package_older_than_needed_counts_as_missing(world):
+    import numpy
+
+    with pytest.raises(UsageError, match=rf"numpy is needed for x but is too old here \(version "
+                                         rf"{numpy.__version__}; 999.1 or newer needed\); install it: y"):
+        require("test", [Requirement("numpy", "x", "y", minimum="999.1")])
+    assert require("test", [Requirement("numpy", "x", "y", minimum="1.0")]) == set()
+
+
 def test_optional_packages_missing_anywhere_are_missing_everywhere(world, monkeypatch):
     hidden = "mpidomain_test_optional_module"
     if world.rank == world.size - 1:  # one rank lacks it: every rank must fall back alike

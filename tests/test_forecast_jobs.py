@@ -141,7 +141,7 @@ def test_a_signal_on_one_rank_stops_cleanly_and_the_run_resumes(world, tmp_path,
     ([], ["matplotlib"], ["--plot", "PNG"], "matplotlib is needed for --plot PNG but does not import here "
                                             "(RuntimeError: matplotlib was built for another torch"),
     (["zarr"], [], [], "zarr is needed for python -m mpidomain forecast (reading and writing stores) but does not "
-                       "import here (ModuleNotFoundError: No module named 'zarr'); install it: pip install 'zarr>=3'"),
+                       "import here (ModuleNotFoundError: No module named 'zarr'); install it: pip install 'zarr>=3.1.5'"),
     (["xarray"], [], [], "xarray is needed for python -m mpidomain forecast (reading and writing stores)"),
     (["torch"], [], [], "torch is needed for python -m mpidomain forecast (the model) but does not import here"),
 ], ids=["matplotlib", "matplotlib-broken", "zarr", "xarray", "torch"])

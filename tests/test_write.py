@@ -7,15 +7,20 @@ temporary directory, on every layout of the world's ranks (latitude slabs,
 tiles; uneven splits), with the default chunks and with chunks that straddle
 tiles. Rank 0 compares the store with xarray's ``to_zarr`` of the whole
 dataset (same chunks): every file, metadata and chunks, byte for byte, and the
-dataset it opens to. Appends, the bytes each rank writes (exact counts against
-the chunks each rank is the writer of), every mistake (the same error on every
-rank, the existing store unchanged) and one store per data-parallel group.
+dataset it opens to. Appends (also to a store xarray wrote with its defaults,
+consolidated metadata included), encodings (packed ints, fill values, time
+units, chunks) against xarray's own files, the bytes each rank writes (exact
+counts against the chunks each rank is the writer of), every mistake (the same
+error on every rank, the existing store unchanged: a folder that is no store,
+steps appended twice or out of order among them) and one store per
+data-parallel group. Failures and kills: tests/test_write_faults.py.
 """
 
 import bisect
 import hashlib
 import json
 import os
+import warnings
 
 import numpy as np
 import pytest
@@ -129,7 +134,8 @@ def differences(path, reference):
         problems.append(f"the datasets differ: {error}")
     for name in want.variables:
         if name in got.variables and (got[name].dtype != want[name].dtype
-                                      or not np.array_equal(got[name].values, want[name].values)):
+                                      or not np.array_equal(got[name].values, want[name].values,
+                                                            equal_nan=want[name].dtype.kind in "fc")):
             problems.append(f"{name}: {got[name].dtype} vs {want[name].dtype}, or other values")
     return problems
 
@@ -178,6 +184,130 @@ def test_overwrite_rewrites_the_tiles_region(world, layouts, shared):
             reference = os.path.join(shared, f"{label}-overwrite-xarray.zarr")
             write_reference(new, reference, STRADDLING, append=False)
             problems += [f"{label}: {p}" for p in differences(path, reference)]
+    assert not problems, problems
+
+
+def opened(path, consolidated):
+    """The dataset at ``path``, loaded: read through its consolidated metadata, or through each array's own."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # zarr: consolidated metadata is not in the v3 spec
+        return xr.open_zarr(path, consolidated=consolidated).load()
+
+
+@pytest.mark.filterwarnings("ignore:Consolidated metadata is currently not part")  # zarr, of xarray's defaults
+def test_append_to_a_store_xarray_wrote_with_its_defaults(world, layouts, shared):
+    """A store xarray wrote with its defaults (consolidated metadata, one time chunk of the first steps) grows by
+    tiles as xarray's own appends grow it: read with and without the consolidated metadata, the same steps."""
+    first, later = make_dataset(GRIDS[0], steps=2, seed=4), make_dataset(GRIDS[0], steps=3, seed=5, first_step=2)
+    problems = []
+    for label, manager in layouts:
+        path, reference = (os.path.join(shared, f"{label}-defaults{end}.zarr") for end in ("", "-xarray"))
+        if world.rank == 0:
+            first.to_zarr(path)
+            first.to_zarr(reference)
+        world.Barrier()
+        for steps in (slice(0, 1), slice(1, 3)):  # the first fills xarray's time chunk of 2, the second starts two
+            write_tile(tile_of(later.isel(time=steps), manager), path, manager, append_dim="time")
+            if world.rank == 0:
+                later.isel(time=steps).to_zarr(reference, append_dim="time")
+        if world.rank == 0:
+            whole = xr.concat([first.drop_vars("land"), later.drop_vars("land")], "time")  # land: the last call's
+            for consolidated in (True, False):
+                got, want = opened(path, consolidated), opened(reference, consolidated)
+                if not got.identical(want) or not got.drop_vars("land").identical(whole):
+                    problems.append(f"{label}, consolidated={consolidated}: times {got.time.values} (xarray's "
+                                    f"{want.time.values}), t equal: {np.array_equal(got.t.values, want.t.values)}")
+            problems += [f"{label}: {p}" for p in differences(path, reference)]
+    assert not problems, problems
+
+
+def test_refuses_a_folder_that_is_not_a_store(world, layouts, shared):
+    """An existing folder without a store's zarr.json: the same error on every rank, nothing written into it; an empty
+    folder is fine."""
+    data = make_dataset(GRIDS[0], steps=1)
+    problems = []
+    for label, manager in layouts:
+        path = os.path.join(shared, f"{label}-user-folder")
+        if world.rank == 0:
+            os.makedirs(path)
+            with open(os.path.join(path, "notes.txt"), "w") as handle:
+                handle.write("the user's own file\n")
+        world.Barrier()
+        before = digest_of(path) if world.rank == 0 else None
+        for append_dim in (None, "time"):
+            try:
+                write_tile(tile_of(data, manager), path, manager, append_dim=append_dim)
+                raised = None
+            except ValueError as error:
+                raised = str(error)
+            messages = world.allgather(raised)
+            if world.rank == 0:
+                if len(set(messages)) != 1 or messages[0] is None or path not in messages[0] \
+                        or "not a Zarr store" not in messages[0] or "notes.txt" not in messages[0]:
+                    problems.append(f"{label}: expected one error naming {path!r} and notes.txt, got {messages}")
+                if digest_of(path) != before or sorted(os.listdir(path)) != ["notes.txt"]:
+                    problems.append(f"{label}: the folder changed: {sorted(os.listdir(path))}")
+        empty = os.path.join(shared, f"{label}-empty-folder")
+        if world.rank == 0:
+            os.makedirs(empty)
+        world.Barrier()
+        write_tile(tile_of(data, manager), empty, manager)
+        if world.rank == 0:
+            reference = os.path.join(shared, f"{label}-empty-folder-xarray.zarr")
+            write_reference(data, reference, default_chunks(manager, GRIDS[0]), append=False)
+            problems += [f"{label}, empty folder: {p}" for p in differences(empty, reference)]
+    assert not problems, problems
+
+
+def encoded_dataset(steps, first_step=0):
+    """make_dataset with the encodings xarray's writer honours: t packed in int16 (scale_factor, add_offset,
+    _FillValue, NaN where it is missing), sp stored as float32 with a _FillValue and its own chunks, times in
+    minutes since a date of the encoding's calendar."""
+    data = make_dataset(GRIDS[1], steps=steps, seed=6 + first_step, first_step=first_step)
+    t = data.t.values.copy()
+    t[:, 0, :3, :4] = np.nan
+    data = data.assign(t=(data.t.dims, t, data.t.attrs))
+    data.t.encoding = {"dtype": "int16", "scale_factor": 0.001, "add_offset": 0.5, "_FillValue": -32767}
+    data.sp.encoding = {"dtype": "float32", "_FillValue": -9999.0, "chunks": (1, 5, 7)}
+    data.time.encoding = {"units": "minutes since 1999-12-31 00:00:00", "calendar": "proleptic_gregorian"}
+    return data
+
+
+def cut_by_hand(data, manager):
+    """This rank's tile of ``data`` cut with isel, which keeps each variable's encoding (as a user's tile may)."""
+    cut = {}
+    for dim, parts, index in zip(("latitude", "longitude"), grid_of(manager),
+                                 (tuple(manager.domain_coords) + (0,))[:2]):
+        counts, offsets = balanced_split(data.sizes[dim], parts)
+        cut[dim] = slice(offsets[index], offsets[index] + counts[index])
+    return data.isel(cut)
+
+
+def test_encoding_as_xarray_writes_it(world, layouts, shared):
+    """A variable's encoding (dtype, scale_factor, add_offset, _FillValue, time units and calendar, chunks) is
+    honoured as xarray's writer honours it: every file of the store equals xarray's, for a new store and appends."""
+    data, later = encoded_dataset(2), encoded_dataset(2, first_step=2)
+    problems = []
+    for label, manager in layouts:
+        path, reference = (os.path.join(shared, f"{label}-encoded{end}.zarr") for end in ("", "-xarray"))
+        write_tile(cut_by_hand(data, manager), path, manager, append_dim="time")
+        write_tile(cut_by_hand(later, manager), path, manager, append_dim="time")
+        if world.rank == 0:
+            chunks = default_chunks(manager, GRIDS[1])
+            sizes = dict(data.sizes) | {"time": 1} | chunks  # to_zarr's encoding= replaces a variable's encoding
+            encoding = {name: data[name].encoding | {"chunks": tuple(sizes[d] for d in data[name].dims)}
+                        for name in ("t", "land")}
+            data.to_zarr(reference, encoding=encoding | {"time": data.time.encoding | {"chunks": (1,)}},
+                         consolidated=False)
+            later.to_zarr(reference, append_dim="time", consolidated=False)
+            problems += [f"{label}: {p}" for p in differences(path, reference)]
+            stored = json.loads(files_of(path)["t/zarr.json"])
+            if stored["data_type"] != "int16" or stored["attributes"].get("scale_factor") != 0.001:
+                problems.append(f"{label}: t stored as {stored['data_type']} with {stored['attributes']}")
+            got = opened(path, False)
+            whole = xr.concat([data.drop_vars("land"), later.drop_vars("land")], "time")
+            if not np.allclose(got.t.values, whole.t.values, atol=6e-4, equal_nan=True):
+                problems.append(f"{label}: t does not decode to the values written (to the packing's step)")
     assert not problems, problems
 
 
@@ -246,6 +376,14 @@ def mistakes(manager, data):
         "finer times": (tile.assign_coords(time=tile.time + np.timedelta64(1, "m")), {}, ValueError,
                         "cannot be stored exactly"),
         "not a dataset": (tile["t"], {}, TypeError, "must be an xarray.Dataset"),
+        "a time the store holds": (tile.assign_coords(time=tile.time - 2 * np.timedelta64(6, "h")), {}, ValueError,
+                                   "2000-01-01T12:00"),
+        "an earlier time": (tile.assign_coords(time=tile.time - 4 * np.timedelta64(6, "h")), {}, ValueError,
+                            "not after"),
+        "a repeated time": (tile.assign_coords(time=[tile.time.values[0]] * 2), {}, ValueError,
+                            "strictly increasing"),
+        "times out of order": (tile.assign_coords(time=tile.time.values[::-1]), {}, ValueError,
+                               "strictly increasing"),
     }
     if manager.domain_parallel_size > 1:
         cases["chunks differ between ranks"] = (tile, {"chunks": {"latitude": 3 + manager.domain_rank}}, ValueError,

@@ -472,11 +472,13 @@ class _Job:
                 group = zarr.open_group(path, mode="r")
                 same = (group.attrs.get("model_digest") == digest and
                         group.attrs.get("initial_time") == str(self.data[TIME].values[self.init_time]))
-                if same:
-                    stored = xr.open_zarr(path, consolidated=False, chunks=None)
-                    done = min(stored.sizes[TIME], self.settings.rollout)
+                if same:  # the steps a killed run committed: its time coordinate's (write_tile commits it last)
+                    stored = zarr.open_array(os.path.join(path, TIME), mode="r")
+                    times = xr.conventions.decode_cf_variable(
+                        TIME, xr.Variable((TIME,), stored[...], dict(stored.attrs))).values
+                    done = min(len(times), self.settings.rollout)
                     want = self.data[TIME].values[self.init_time + 1:self.init_time + 1 + done]
-                    if not np.array_equal(stored[TIME].values, want):
+                    if not np.array_equal(times[:done], want):
                         done = 0
             except Exception:  # noqa: BLE001 - a store left in a state we cannot read: rebuilt
                 done = 0

@@ -133,7 +133,8 @@ def requirements(settings):
     """
     required = [Requirement("torch", "python -m mpidomain forecast (the model)", "pip install torch"),
                 Requirement("xarray", "python -m mpidomain forecast (reading and writing stores)", "pip install xarray"),
-                Requirement("zarr", "python -m mpidomain forecast (reading and writing stores)", "pip install 'zarr>=3'")]
+                Requirement("zarr", "python -m mpidomain forecast (reading and writing stores)", "pip install 'zarr>=3.1.5'",
+                            minimum="3.1.5")]
     if settings.plot:
         required.append(Requirement("matplotlib", f"--plot {settings.plot}", "pip install matplotlib"))
     return required, [Requirement("tqdm", "the progress bar", "pip install tqdm")]
