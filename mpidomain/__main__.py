@@ -1,4 +1,4 @@
-"""Command line: ``python -m mpidomain info|check|demo|forecast`` under any launcher.
+"""Command line: ``python -m mpidomain info|check|demo|forecast|credit`` under any launcher.
 
 ``info`` prints every rank's place in the domain-parallel mesh; ``check`` tests a
 cluster end to end (halo exchange, shard/gather, link bandwidth, devices) and exits
@@ -6,7 +6,8 @@ cluster end to end (halo exchange, shard/gather, link bandwidth, devices) and ex
 small U-Net domain-parallel next to the same steps on one process and exits 0 if
 the two models agree; ``forecast`` runs the whole job from disk to disk (a
 synthetic ERA5-like store by default): trains domain x data parallel, saves and
-resumes a checkpoint, forecasts, writes the forecast by tile and scores it.
+resumes a checkpoint, forecasts, writes the forecast by tile and scores it; ``credit
+train`` and ``credit rollout`` run a CREDIT gen2 config's training and forecasts.
 """
 
 import argparse
@@ -19,6 +20,7 @@ from .cli import check, info
 from ._errors import rank_ranges
 from ._mpi import mpi
 from .command import Requirement, UsageError, require, run_command
+from .credit.command import add_commands as add_credit_commands, run as run_credit
 from .manager import initialize_domain_parallel, library_comm
 
 
@@ -76,6 +78,11 @@ def _parser():
         description="Train a model domain x data parallel on a Zarr store (by default a small synthetic ERA5-like "
                     "one made on the spot), with multi-step rollout fine-tuning; save a checkpoint; forecast from it; "
                     "write the forecast by tile; print the latitude-weighted RMSE per channel and one summary line."))
+    credit = commands.add_parser(
+        "credit", help="a CREDIT gen2 config's training and forecasts, domain-parallel (train, rollout)",
+        description="Run a CREDIT gen2 config's job domain-parallel: train (equal to CREDIT's credit train in one "
+                    "process) or rollout (CREDIT's output files, written from tiles).")
+    add_credit_commands(credit.add_subparsers(dest="credit_command", required=True, parser_class=_Parser))
     return parser
 
 
@@ -320,8 +327,9 @@ def _check(args):
 def main(argv=None):
     """Run the command line; return the process exit status (the same on every rank)."""
     args = _parser().parse_args(argv)
-    commands = {"info": _info, "check": _check, "demo": _demo, "forecast": _forecast}
-    return run_command(args.command, lambda: commands[args.command](args))
+    commands = {"info": _info, "check": _check, "demo": _demo, "forecast": _forecast, "credit": run_credit}
+    name = f"credit {args.credit_command}" if args.command == "credit" else args.command
+    return run_command(name, lambda: commands[args.command](args))
 
 
 if __name__ == "__main__":

@@ -143,3 +143,12 @@ def test_the_layout_package_is_pure_arithmetic():
     assert not outside, f"mpidomain.layout reaches {outside}"
     heavy = {m: sorted(_third_party(modules[m]) & {"mpi4py", "torch", "cupy"}) for m in reached}
     assert not any(heavy.values()), heavy
+
+
+def test_only_the_command_line_imports_the_credit_integration():
+    """``mpidomain.credit`` (CREDIT's configs, data, trainer and outputs) sits on top: no module outside it
+    imports it but the command line's dispatcher, ``mpidomain.__main__``."""
+    graph = import_graph()
+    importers = sorted(m for m, edges in graph.items() if not (m + ".").startswith("mpidomain.credit.")
+                       and any(t == "mpidomain.credit" or t.startswith("mpidomain.credit.") for t in edges))
+    assert importers == ["mpidomain.__main__"], importers

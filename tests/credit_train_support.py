@@ -1,0 +1,164 @@
+"""Shared pieces of the ``credit train`` tests: the synthetic dataset, CREDIT's reference run (once per test
+session), and our training run in the test's own MPI world."""
+
+import copy
+import json
+import os
+import shutil
+import tempfile
+
+import pytest
+from mpi4py import MPI
+
+from mpitest import import_credit, share
+
+WORLD = MPI.COMM_WORLD
+_ONCE = {}  # the session fixtures' values: both test modules import them, and each import is its own fixture
+LAYOUTS = {  # name: (domain, train_batch_size per group, world size)
+    "1": ((1,), 2, 1), "2": ((2,), 2, 2), "4": ((4,), 2, 4), "2x2": ((2, 2), 2, 4), "2 x 2 groups": ((2,), 1, 4),
+}
+
+
+def shared_folder(tmp_path_factory, name):
+    """A folder made by rank 0, the same path on every rank."""
+    path = str(tmp_path_factory.mktemp(name)) if WORLD.rank == 0 else None
+    return share(WORLD, path)
+
+
+@pytest.fixture(scope="session")
+def credit_data(tmp_path_factory):
+    """The synthetic CREDIT dataset (written once by rank 0) and its config: ``(folder, conf)``."""
+    import_credit("credit.models")
+    pytest.importorskip("bridgescaler")
+    from mpidomain.credit.synthetic import synthetic_config, write_synthetic_credit
+
+    if "data" in _ONCE:
+        return _ONCE["data"]
+
+    folder = shared_folder(tmp_path_factory, "credit-data")
+    error = None
+    if WORLD.rank == 0:
+        try:
+            write_synthetic_credit(folder)
+        except Exception as exc:  # noqa: BLE001 - shared below, raised on every rank
+            error = f"{type(exc).__name__}: {exc}"
+    error = share(WORLD, error)
+    if error:
+        pytest.fail(f"writing the synthetic dataset failed: {error}")
+    _ONCE["data"] = folder, synthetic_config(folder)
+    return _ONCE["data"]
+
+
+@pytest.fixture(scope="session")
+def credit_reference(credit_data):
+    """CREDIT's own ``credit train`` of the synthetic config in one process (rank 0, a subprocess), once per
+    session: ``{"steps": per-step losses, "valid": ..., "save_loc": its folder}``."""
+    from mpidomain.credit.reference import run_credit_train
+
+    if "reference" in _ONCE:
+        return _ONCE["reference"]
+    folder, conf = credit_data
+    conf = copy.deepcopy(conf)
+    conf["save_loc"] = os.path.join(folder, "credit-run")
+    result = None
+    if WORLD.rank == 0:
+        try:
+            result = run_credit_train(conf, os.path.join(folder, "credit-reference"), timeout=600)
+        except Exception as exc:  # noqa: BLE001
+            result = {"returncode": -1, "output": f"{type(exc).__name__}: {exc}", "steps": []}
+        result["save_loc"] = conf["save_loc"]
+    result = share(WORLD, result)
+    if result["returncode"] != 0 or not result["steps"]:
+        pytest.fail(f"CREDIT's credit train failed (status {result['returncode']}):\n{result['output'][-3000:]}")
+    _ONCE["reference"] = result
+    return result
+
+
+ACCUMULATION = {"grad_accum_every": 2, "activation_checkpoint": True, "grad_max_norm": 0.5}
+
+
+@pytest.fixture(scope="session")
+def credit_reference_accumulating(credit_data):
+    """CREDIT's ``credit train`` with gradient accumulation over 2 steps, activation checkpointing and a numeric
+    ``grad_max_norm`` (rank 0, once per session)."""
+    from mpidomain.credit.reference import run_credit_train
+
+    if "accumulating" in _ONCE:
+        return _ONCE["accumulating"]
+    folder, conf = credit_data
+    conf = layout_conf(conf, os.path.join(folder, "credit-accumulating"), **ACCUMULATION)
+    result = None
+    if WORLD.rank == 0:
+        result = run_credit_train(conf, os.path.join(folder, "credit-accumulating-files"), timeout=600)
+    result = share(WORLD, result)
+    if result["returncode"] != 0 or not result["steps"]:
+        pytest.fail(f"CREDIT's credit train failed (status {result['returncode']}):\n{result['output'][-3000:]}")
+    _ONCE["accumulating"] = result
+    return result
+
+
+def layout_conf(conf, save_loc, batch=None, **trainer):
+    """``conf`` with its own ``save_loc`` (and trainer keys)."""
+    conf = copy.deepcopy(conf)
+    conf["save_loc"] = save_loc
+    if batch is not None:
+        conf["trainer"]["train_batch_size"] = batch
+    conf["trainer"].update(trainer)
+    return conf
+
+
+def train_here(conf, domain, options=None):
+    """Train ``conf`` in this test's world at ``domain`` (a tuple); return the run's summary."""
+    import torch
+
+    from mpidomain.credit.config import read_settings
+    from mpidomain.credit.trainer import TrainOptions, train
+    from mpidomain.manager import initialize_domain_parallel
+
+    settings = read_settings(conf, WORLD.size, tuple(domain))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    manager = initialize_domain_parallel(WORLD.size, domain if len(domain) == 2 else domain[0],
+                                         (-2, -1) if len(domain) == 2 else -2)
+    try:
+        return train(settings, options or TrainOptions(progress=False), manager, say=lambda line: None)
+    finally:
+        manager.close()
+        torch.set_num_threads(threads)
+
+
+def fresh(folder):
+    """Empty ``folder`` (rank 0), then every rank goes on."""
+    if WORLD.rank == 0:
+        shutil.rmtree(folder, ignore_errors=True)
+    share(WORLD, None)
+    return folder
+
+
+def step_losses(save_loc):
+    """``training_steps.csv`` as a list of rows of floats (``step, train_loss, loss_t1, ...``)."""
+    import csv
+
+    with open(os.path.join(save_loc, "training_steps.csv"), newline="") as file:
+        rows = list(csv.reader(file))
+    return rows[0], [[float(v) for v in row] for row in rows[1:]]
+
+
+def relative_weights_difference(a, b):
+    """The relative norm ``|a - b| / |b|`` over every floating tensor of two state dicts (same keys)."""
+    num = den = 0.0
+    for key, value in b.items():
+        if value.is_floating_point():
+            num += float((a[key].double() - value.double()).norm() ** 2)
+            den += float(value.double().norm() ** 2)
+    return (num / den) ** 0.5 if den else 0.0 if num == 0 else float("inf")
+
+
+def temporary_folder():
+    """A folder on every rank's file system, made by rank 0."""
+    return share(WORLD, tempfile.mkdtemp(prefix="credit-train-") if WORLD.rank == 0 else None)
+
+
+def write_json(path, value):
+    with open(path, "w") as file:
+        json.dump(value, file)
