@@ -120,9 +120,9 @@ def _forecast_options(parser):
                         help=f"time steps of the synthetic store (default: {defaults.times})")
     parser.add_argument("--lr", type=_learning_rate, default=defaults.lr,
                         help=f"Adam's learning rate (default: {defaults.lr})")
-    parser.add_argument("--seed", type=_nonnegative, default=defaults.seed,
+    parser.add_argument("--seed", type=_seed, default=defaults.seed,
                         help="seed of the weights and the samples drawn (default: 0)")
-    parser.add_argument("--resume", metavar="CHECKPOINT|auto",
+    parser.add_argument("--resume", type=_checkpoint, metavar="CHECKPOINT|auto",
                         help="continue training from a checkpoint (any -D), or auto: the newest complete one in --out "
                              "(none: start fresh); a forecast store left by a stopped run is completed")
     parser.add_argument("--checkpoint-every", type=_positive, metavar="N",
@@ -134,8 +134,8 @@ def _forecast_options(parser):
                         help="signals that stop training cleanly at the next step boundary with a checkpoint "
                              f"(default: {','.join(defaults.stop_signals)})")
     parser.add_argument("--skip-nan", action="store_true",
-                        help="skip a training step whose samples or loss are not finite (default: stop, naming the "
-                             "variable, time and step)")
+                        help="skip a training step whose samples are not finite (default: stop, naming the "
+                             "variable, time and step); a loss that is not finite from finite samples always stops")
     parser.add_argument("--stop-after", type=_positive, metavar="STEP",
                         help="stop after this training step with a checkpoint (resume later with --resume)")
     parser.add_argument("--estimate", action="store_true",
@@ -156,17 +156,6 @@ def _positive(text):
         value = 0
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
-    return value
-
-
-def _nonnegative(text):
-    """Parse an int >= 0."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
     return value
 
 
@@ -197,11 +186,29 @@ def _signals(text):
 
 
 def _names(text):
-    """Parse --variables: comma-separated names."""
+    """Parse --variables: comma-separated names, each once."""
     names = tuple(n.strip() for n in text.split(",") if n.strip())
-    if not names:
-        raise argparse.ArgumentTypeError(f"expected variable names such as t,u,t2m, got {text!r}")
+    if not names or len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"expected distinct variable names such as t,u,t2m, got {text!r}")
     return names
+
+
+def _seed(text):
+    """Parse --seed: an int from 0 to 2**32 - 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= 2**32 - 1:
+        raise argparse.ArgumentTypeError(f"expected an integer from 0 to {2**32 - 1}, got {text!r}")
+    return value
+
+
+def _checkpoint(text):
+    """Parse --resume: a path, or auto."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("expected a checkpoint file or auto, got ''")
+    return text
 
 
 def _device_policy(text):

@@ -64,6 +64,12 @@ def raise_reported(reports, error=None, comm=None):
     ), comm)
 
 
+def describe_error(error, limit=500):
+    """``Type: message`` on one line (a message of several lines joined), at most ``limit`` characters of it."""
+    text = " ".join(line.strip() for line in str(error).strip().splitlines())
+    return f"{type(error).__name__}: {text[:limit]}"
+
+
 def rank_ranges(ranks):
     """Format sorted ranks compactly: [0, 1, 2, 5] -> '0-2,5'."""
     spans = [[ranks[0], ranks[0]]]

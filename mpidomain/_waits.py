@@ -84,6 +84,11 @@ def allgather_ints(comm, values, call):
     return [tuple(int(v) for v in row) for row in everyone]
 
 
+def barrier(comm, call):
+    """Wait for every rank of ``comm`` (a non-blocking barrier, bounded by :func:`timeout_seconds`); collective."""
+    wait_all([comm.Ibarrier()], comm=comm, call=call)
+
+
 def wait_all(requests, *, comm=None, call="a wait", awaiting=None):
     """Complete every request, or raise RuntimeError after :func:`timeout_seconds` (``MPIDOMAIN_TIMEOUT``).
 

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from ._agreement import agree
-from ._errors import raised_alike
+from ._errors import describe_error, raised_alike
 
 __all__ = ["CheckpointFolder", "restore_rng_states", "rng_states", "save_atomic"]
 
@@ -129,7 +129,7 @@ class CheckpointFolder:
             raise ValueError(f"CheckpointFolder: keep must be >= 1, got {keep}")
         self.folder, self.prefix, self.keep = os.fspath(folder), prefix, keep
         self.latest = None if latest is None else os.path.join(self.folder, latest)
-        self._pattern = re.compile(rf"{re.escape(prefix)}-(\d+)\.pt")
+        self._pattern = re.compile(rf"{re.escape(prefix)}-(\d{{6,}})\.pt")
 
     def path(self, step):
         """Return the path of the checkpoint after ``step``."""
@@ -143,6 +143,10 @@ class CheckpointFolder:
             if match:
                 found.append((int(match.group(1)), name))
         return sorted(found, reverse=True)
+
+    def saved(self):
+        """The paths of the complete checkpoints in the folder, newest first; local (list it on one rank)."""
+        return [os.path.join(self.folder, name) for _, name in self._listed() if not name.endswith(".partial")]
 
     def _prune(self, step):
         """Remove partial files, checkpoints of a run this one replaced (steps after ``step``), and all but the
@@ -172,12 +176,11 @@ class CheckpointFolder:
                     _point(self.latest, path)
                 self._prune(step)
             except Exception as error:  # noqa: BLE001 - whatever keeps the file from being written ends the run alike
-                newest = next((os.path.join(self.folder, n) for _, n in self._listed()
-                               if not n.endswith(".partial")), None)
-                message = (f"could not write the checkpoint {path} ({type(error).__name__}: {error}); "
+                newest = next(iter(self.saved()), None)
+                message = (f"could not write the checkpoint {path} ({describe_error(error)}); "
                            f"{'the newest complete checkpoint is still ' + newest if newest else 'no checkpoint yet'}"
-                           "; free space or make the folder writable, then resume")
-        if agree(comm, "saving a checkpoint", None, flag=message is not None):
+                           f"{'; free space or make the folder writable, then resume' if isinstance(error, OSError) else ''}")
+        if agree(comm, "saving a checkpoint", step, flag=message is not None):
             raise raised_alike(RuntimeError(comm.bcast(message, root=0)), comm)
         return path
 
@@ -201,7 +204,7 @@ class CheckpointFolder:
                     if check is not None:
                         check(state)
                 except Exception as error:  # noqa: BLE001 - any unreadable file is passed over, named
-                    skipped.append((path, f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}"))
+                    skipped.append((path, describe_error(error)))
                     continue
                 choice = path
                 break

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ._agreement import agree
-from ._errors import raised_alike, raised_alike_on
+from ._errors import describe_error, raised_alike, raised_alike_on
 from ._mpi import mpi
 
 __all__ = ["Requirement", "UsageError", "agreed", "decided", "require", "run_command", "world"]
@@ -81,10 +81,11 @@ def world():
     return _WORLD[0]
 
 
-def _reason(error):
-    """``Type: message`` on one line (a message of several lines joined)."""
-    text = " ".join(line.strip() for line in str(error).strip().splitlines())
-    return f"{type(error).__name__}: {text[:500]}"
+def _usage(error):
+    """``error`` (one of the kinds a check raises) as the :class:`UsageError` every rank raises."""
+    if isinstance(error, UsageError):
+        return error
+    return UsageError(str(error) if isinstance(error, (ValueError, TypeError)) else describe_error(error))
 
 
 def require(command, requirements, *, optional=()):
@@ -104,7 +105,7 @@ def require(command, requirements, *, optional=()):
         try:
             module = importlib.import_module(requirement.module)
         except Exception as error:  # noqa: BLE001 - a broken install raises what it raises
-            missing[requirement.module] = f"does not import here ({_reason(error)})"
+            missing[requirement.module] = f"does not import here ({describe_error(error)})"
             continue
         found = getattr(module, "__version__", None)
         if requirement.minimum and found is not None and _release(found) < _release(requirement.minimum):
@@ -133,8 +134,7 @@ def agreed(comm, call, work):
     try:
         result = work()
     except _USAGE_KINDS as exc:
-        error = exc if isinstance(exc, UsageError) else UsageError(
-            str(exc) if isinstance(exc, (ValueError, TypeError)) else _reason(exc))
+        error = _usage(exc)
     agree(comm, call, None, error=error)
     return result
 
@@ -152,14 +152,15 @@ def decided(comm, call, work, root=0):
         try:
             result = work()
         except _USAGE_KINDS as exc:
-            message = str(exc) if isinstance(exc, (ValueError, TypeError)) else _reason(exc)
+            message = str(_usage(exc))
     if agree(comm, call, None, flag=message is not None):
         raise raised_alike(UsageError(comm.bcast(message, root=root)), comm)
     return result
 
 
 def _one_line(command, message):
-    return f"python -m mpidomain {command}: error: {message}"
+    text = "; ".join(line.strip() for line in str(message).strip().splitlines() if line.strip()).replace(":;", ":")
+    return f"python -m mpidomain {command}: error: {text}"
 
 
 def _status(error):
@@ -175,7 +176,7 @@ def _failed_alone(command, comm, error, claimed):
         if time.monotonic() > deadline:
             _abort(command, comm, error)
         time.sleep(0.01)
-    reports = comm.allgather((_status(error), str(error) if isinstance(error, _USAGE_KINDS) else _reason(error)))
+    reports = comm.allgather((_status(error), str(error) if isinstance(error, _USAGE_KINDS) else describe_error(error)))
     if comm.Get_rank() == 0:
         messages = sorted({message for _, message in reports})
         print(_one_line(command, messages[0] if len(messages) == 1 else "; ".join(messages)), file=sys.stderr,
@@ -185,7 +186,7 @@ def _failed_alone(command, comm, error, claimed):
 
 def _abort(command, comm, error):
     rank = comm.Get_rank()
-    lines = [f"python -m mpidomain {command}: error on rank {rank}: {_reason(error)}"]
+    lines = [f"python -m mpidomain {command}: error on rank {rank}: {describe_error(error)}"]
     if not isinstance(error, _USAGE_KINDS):  # not a mistake in the inputs: the traceback says where
         lines[:0] = [f"[rank {rank}] {line}" for line in
                      "".join(traceback.format_exception(type(error), error, error.__traceback__)).rstrip().split("\n")]

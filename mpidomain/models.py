@@ -14,10 +14,11 @@ import types
 import torch
 import torch.nn.functional as F
 
+from .layout.tiles import balanced_split
 from .nn import Decision, DomainParallelPeriodicConv2d, Rule, convert_to_domain_parallel
 
 __all__ = ["PeriodicConv", "UNet", "FieldCrossFormer", "RULES", "convert_model", "custom_converters",
-           "credit_crossformer", "credit_missing", "CREDIT_INSTALL"]
+           "credit_crossformer", "credit_missing", "unet_grid_problem", "CREDIT_INSTALL"]
 
 #: The line that installs what CREDIT's CrossFormer needs here (its own requirements pull a CUDA torchvision).
 CREDIT_INSTALL = "pip install einops && pip install --no-deps miles-credit==2026.2.0"
@@ -54,6 +55,19 @@ class UNet(torch.nn.Module):
         skip = F.silu(self.norm(self.encode(x)))
         deep = F.silu(self.middle(F.silu(self.norm_down(self.down(skip)))))
         return x + self.decode(torch.cat([skip, self.up(deep)], dim=1))
+
+
+def unet_grid_problem(height, width, tiles):
+    """Return why :class:`UNet` cannot run on ``height`` x ``width`` cut into ``tiles`` ``(D_lat, D_lon)`` (as
+    :func:`mpidomain.balanced_split` cuts), or None. It halves the field once: every tile needs an even number of
+    rows and of columns, at least 4."""
+    rows, columns = (balanced_split(n, parts)[0] for n, parts in zip((height, width), tiles))
+    if all(n % 2 == 0 and n >= 4 for n in (*rows, *columns)):
+        return None
+    return (f"the U-Net halves the field once, so each tile needs an even number of rows and columns, at least 4, "
+            f"but the tiles would have {'/'.join(map(str, sorted(set(rows))))} rows and "
+            f"{'/'.join(map(str, sorted(set(columns))))} columns; use a grid that {2 * tiles[0]} x {2 * tiles[1]} "
+            f"divides, e.g. {max(4, 2 * tiles[0]) * 8}x{max(4, 2 * tiles[1]) * 16}")
 
 
 class FieldCrossFormer(torch.nn.Module):

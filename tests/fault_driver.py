@@ -54,7 +54,7 @@ def install(spec):
     import mpidomain.forecast.plot as plot
 
     if stage == "setup":
-        job._Job.prepare_outputs = _counted(job._Job.prepare_outputs, action, stage, mine, nth)
+        job.prepare_outputs = _counted(job.prepare_outputs, action, stage, mine, nth)
     elif stage == "data":
         dataset.TileDataset.__getitem__ = _counted(dataset.TileDataset.__getitem__, action, stage, mine, nth)
     elif stage == "step":
@@ -63,6 +63,8 @@ def install(spec):
         real = checkpoints.torch.save
 
         def save(obj, file, *args, **kwargs):
+            if not isinstance(file, checkpoints._Writer):  # torch also saves when a tensor is pickled for MPI
+                return real(obj, file, *args, **kwargs)
             save.calls += 1
             if not (mine and save.calls == nth):
                 return real(obj, file, *args, **kwargs)

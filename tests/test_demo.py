@@ -48,7 +48,7 @@ def test_demo_on_tiles(world):
     (["-D", "2x2", "--size", "32x62"], "--size 32x62 with 2 x 2 tiles: the U-Net halves the field once"),
     (["--size", "30x64"], "--size 30x64 with D=2: the U-Net halves the field once"),
     (["-D", "3"], "domain_parallel_size=3 does not divide world_size=4"),
-    (["--steps", "0"], "--steps must be >= 1, got 0"),
+    (["--steps", "0"], "argument --steps: expected an integer >= 1, got '0'"),
 ])
 @pytest.mark.mpi_job
 def test_demo_layouts_it_cannot_run(world, args, message):

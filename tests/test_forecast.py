@@ -119,25 +119,23 @@ def test_resume_auto_takes_the_newest_complete_checkpoint(world, tmp_path, fresh
     d = layouts(world)[-1]
     whole = run(world, tmp_path, "whole", domain=d)
     fresh = run(world, tmp_path, "run", domain=d, resume="auto", checkpoint_every=1, stop_after=3)
+    out = folder(world, tmp_path, "run")
+    lines, files = share(world, (fresh[2], sorted(os.listdir(out))) if world.rank == 0 else None)
+    assert any(line.startswith("--resume auto: no complete checkpoint in ") and line.endswith("starting fresh")
+               for line in lines), lines
+    assert files == ["checkpoint-000001.pt", "checkpoint-000002.pt", "checkpoint-000003.pt", "checkpoint.pt",
+                     "era5-synthetic.zarr"]
     if world.rank == 0:
-        assert any(line.startswith("--resume auto: no complete checkpoint in ") and line.endswith("starting fresh")
-                   for line in fresh[2]), fresh[2]
-        out = folder(world, tmp_path, "run")
-        assert sorted(os.listdir(out)) == ["checkpoint-000001.pt", "checkpoint-000002.pt", "checkpoint-000003.pt",
-                                           "checkpoint.pt", "era5-synthetic.zarr"]
         with open(os.path.join(out, "checkpoint-000004.pt.partial"), "wb") as file:
             file.write(b"a run was killed while writing this")
         with open(os.path.join(out, "checkpoint-000003.pt"), "r+b") as file:
             file.truncate(100)  # corrupt
-    else:
-        folder(world, tmp_path, "run")
     resumed = run(world, tmp_path, "run", domain=d, resume="auto")
-    if world.rank == 0:
-        lines = resumed[2]
-        assert any("--resume auto skips" in line and "checkpoint-000004.pt.partial: partial" in line for line in lines)
-        assert any("--resume auto skips" in line and "checkpoint-000003.pt:" in line for line in lines)
-        assert any(line.startswith("--resume auto: continuing from ") and "checkpoint-000002.pt (after step 2)" in line
-                   for line in lines), lines
+    lines = share(world, resumed[2] if world.rank == 0 else None)
+    assert any("--resume auto skips" in line and "checkpoint-000004.pt.partial: partial" in line for line in lines)
+    assert any("--resume auto skips" in line and "checkpoint-000003.pt:" in line for line in lines)
+    assert any(line.startswith("--resume auto: continuing from ") and "checkpoint-000002.pt (after step 2)" in line
+               for line in lines), lines
     assert resumed[0] == whole[0]
     for name in whole[1].data_vars:
         assert np.array_equal(resumed[1][name].values, whole[1][name].values), name
@@ -164,16 +162,16 @@ def nan_store(world, tmp_path, times=12):
 def test_a_nan_in_the_data_stops_naming_variable_time_and_step_or_is_skipped(world, tmp_path, fresh_manager):
     data = nan_store(world, tmp_path)
     with pytest.raises(UsageError, match=r"^step \d+: t@500 at time 2020-01-01T12:00:00 \(index 2\) of --data "
-                                         r".*nan.zarr is not finite \(NaN or Inf\); clean the data or lower --lr, "
-                                         "or pass --skip-nan to skip such steps$"):
+                                         r".*nan.zarr is not finite \(NaN or Inf\); clean the data, or pass "
+                                         "--skip-nan to skip such steps$"):
         run(world, tmp_path, "stops", data=data, domain=layouts(world)[-1])
     losses, forecast, lines = run(world, tmp_path, "skips", data=data, domain=layouts(world)[-1], skip_nan=True)
     assert sorted(forecast.data_vars) == ["sp", "t"]  # the ensemble variable is not on the grid: not taken
     skipped = [i for i, loss in enumerate(losses) if np.isnan(loss)]
     assert skipped and len(skipped) < len(losses)
-    if world.rank == 0:
-        assert f"({len(skipped)} skipped: not finite)" in lines[-1]
-        assert sum(line.startswith("skipped step ") for line in lines) == len(skipped)
+    lines = share(world, lines if world.rank == 0 else None)
+    assert f"({len(skipped)} skipped: not finite)" in lines[-1]
+    assert sum(line.startswith("skipped step ") for line in lines) == len(skipped)
     with pytest.raises(UsageError, match=r"--variables: ens \('time', 'member', 'latitude', 'longitude'\) must have "
                                          "the dims"):
         run(world, tmp_path, "member", data=data, variables=("t", "ens"))

@@ -19,7 +19,8 @@ import torch.nn.functional as F
 
 from .._mpi import mpi
 from ..manager import initialize_domain_parallel, library_comm
-from ..models import UNet, convert_model
+from ..command import UsageError
+from ..models import UNet, convert_model, unet_grid_problem
 from ..nn import allreduce_gradients
 from ..reduce import allreduce
 from ..sharding import shard_tensor
@@ -70,13 +71,10 @@ def run_demo(steps=5, domain_parallel_size=2, size=(128, 256), channels=2, out=p
     try:
         d = manager.domain_parallel_size
         d_lat, d_lon = manager.domain_shape if tiles else (d, 1)
-        if height % (2 * d_lat) or width % (2 * d_lon) or height // d_lat < 4 or width // d_lon < 4:
-            raise ValueError(
-                f"--size {height}x{width} with {f'{d_lat} x {d_lon} tiles' if tiles else f'D={d}'}: the U-Net halves "
-                "the field once, so each "
-                f"tile needs an even number of rows and columns, at least 4 ({2 * d_lat} must divide the latitudes "
-                f"and {2 * d_lon} the longitudes); try --size {max(4, 2 * d_lat) * 16}x{max(4, 2 * d_lon) * 32}"
-            )
+        problem = unet_grid_problem(height, width, (d_lat, d_lon))
+        if problem:
+            layout = f"{d_lat} x {d_lon} tiles" if tiles else f"D={d}"
+            raise UsageError(f"--size {height}x{width} with {layout}: {problem}")
         torch.manual_seed(0)
         single = UNet(channels)
         parallel = convert_model(copy.deepcopy(single), manager)

@@ -10,6 +10,7 @@ from ..preemption import signal_number
 __all__ = ["ForecastSettings", "MODELS", "DTYPES", "requirements"]
 
 MODELS = ("auto", "cnn", "crossformer")
+MAX_SEED = 2**32 - 1  # torch's and NumPy's seeds both take it
 DTYPES = ("float32", "float64")
 
 
@@ -41,7 +42,8 @@ class ForecastSettings:
         at ``stop_after`` and on a stop signal).
     :param keep: How many numbered checkpoints to keep in ``out`` (the newest).
     :param stop_signals: Signals that stop the run cleanly at the next step boundary, with a checkpoint.
-    :param skip_nan: Skip a training step whose samples or loss are not finite (else: stop with an error).
+    :param skip_nan: Skip a training step whose samples are not finite (else: stop with an error); a loss that is
+        not finite from finite samples always stops the run (the model diverged).
     """
 
     data: Optional[str] = None
@@ -75,8 +77,14 @@ class ForecastSettings:
                 found.append(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.checkpoint_every is not None and self.checkpoint_every < 1:
             found.append(f"--checkpoint-every must be >= 1, got {self.checkpoint_every}")
-        if self.seed < 0:
-            found.append(f"--seed must be >= 0, got {self.seed}")
+        if not 0 <= self.seed <= MAX_SEED:
+            found.append(f"--seed must be from 0 to {MAX_SEED}, got {self.seed}")
+        if self.variables is not None and len(set(self.variables)) != len(self.variables):
+            found.append(f"--variables names a variable twice: {','.join(self.variables)}")
+        if self.resume is not None and not self.resume:
+            found.append("--resume must name a checkpoint file, or auto")
+        if self.resume == "auto" and self.out is None:
+            found.append("--resume auto continues the run whose checkpoints are in --out: give --out")
         if min(self.grid) < 1:
             found.append(f"--grid must be two positive extents, got {'x'.join(map(str, self.grid))}")
         shape = self.domain_shape(world_size)

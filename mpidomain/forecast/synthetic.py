@@ -10,12 +10,12 @@ store is the same bit for bit whatever the ranks' layout.
 import numpy as np
 import xarray as xr
 
-from .._waits import wait_all
+from .._waits import barrier
 from ..data import write_tile
 from ..manager import library_comm
 from ..layout.tiles import balanced_split
 
-__all__ = ["write_synthetic_store", "SYNTHETIC_VARIABLES", "grid_coordinates"]
+__all__ = ["write_synthetic_store", "synthetic_layout", "SYNTHETIC_VARIABLES", "grid_coordinates"]
 
 LEVELS = (500, 850)
 # name: (long name, units, means at LEVELS or at the surface, amplitude)
@@ -28,6 +28,18 @@ SYNTHETIC_VARIABLES = {
 }
 WAVES = 3
 CELLS_PER_STEP = 1.5  # eastward drift at the equator, in grid cells per time step
+
+
+def synthetic_layout(variables=None):
+    """The synthetic store's ``variables`` (default: all, by name) as the forecast lays out its channels:
+    ``(name, levels or None)``, upper-air first, then surface; ValueError for a name it does not hold."""
+    names = sorted(SYNTHETIC_VARIABLES) if variables is None else list(variables)
+    unknown = [n for n in names if n not in SYNTHETIC_VARIABLES]
+    if unknown:
+        raise ValueError(f"--variables {','.join(names)}: {unknown} not in the synthetic store, whose variables are "
+                         f"{list(SYNTHETIC_VARIABLES)}")
+    upper = [(n, len(LEVELS)) for n in names if isinstance(SYNTHETIC_VARIABLES[n][2], tuple)]
+    return upper + [(n, None) for n in names if not isinstance(SYNTHETIC_VARIABLES[n][2], tuple)]
 
 
 def grid_coordinates(height, width):
@@ -94,6 +106,5 @@ def write_synthetic_store(path, manager, grid=(128, 256), times=40, seed=0):
                                              "latitude": latitude[rows], "longitude": longitude[columns]},
                           attrs={"title": "mpidomain synthetic ERA5-like fields"})
         write_tile(tile, path, manager, chunks={"time": 1, "level": len(LEVELS)})
-    world = library_comm(manager, "world")
-    wait_all([world.Ibarrier()], comm=world, call="the synthetic store")
+    barrier(library_comm(manager, "world"), "the synthetic store")
     return list(SYNTHETIC_VARIABLES)
