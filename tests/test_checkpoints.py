@@ -35,12 +35,17 @@ def test_the_newest_k_are_kept_and_latest_points_at_the_newest(world, tmp_path):
     folder = folder_of(world, tmp_path)
     saved = CheckpointFolder(folder, keep=2, latest="checkpoint.pt")
     comm = command.world()
+
+    def contents():
+        # Listed on rank 0 and shared: another rank listing alone could see rank 0's next save under way.
+        return share(world, (sorted(os.listdir(folder)), torch.load(os.path.join(folder, "checkpoint.pt"))["step"])
+                     if world.rank == 0 else None)
+
     for step in (1, 2, 3, 4):
         assert saved.save(comm, {"step": step}, step) == os.path.join(folder, f"checkpoint-{step:06d}.pt")
-    assert sorted(os.listdir(folder)) == ["checkpoint-000003.pt", "checkpoint-000004.pt", "checkpoint.pt"]
-    assert torch.load(os.path.join(folder, "checkpoint.pt"))["step"] == 4
+    assert contents() == (["checkpoint-000003.pt", "checkpoint-000004.pt", "checkpoint.pt"], 4)
     saved.save(comm, {"step": 2}, 2)  # a run resumed from an older checkpoint replaces the later ones
-    assert sorted(os.listdir(folder)) == ["checkpoint-000002.pt", "checkpoint.pt"]
+    assert contents() == (["checkpoint-000002.pt", "checkpoint.pt"], 2)
 
 
 def test_newest_skips_partial_and_corrupt_files_naming_each(world, tmp_path):
@@ -81,7 +86,7 @@ def test_a_failed_save_raises_on_every_rank_and_keeps_the_previous_newest(world,
         saved.save(comm, {"step": 2}, 2)
     monkeypatch.undo()
     assert saved.newest(comm)[0] == saved.path(1)
-    assert torch.load(os.path.join(folder, "checkpoint.pt"))["step"] == 1
+    assert share(world, torch.load(os.path.join(folder, "checkpoint.pt"))["step"] if world.rank == 0 else None) == 1
 
 
 def test_rng_states_round_trip():
