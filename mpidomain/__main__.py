@@ -19,7 +19,7 @@ from . import binding
 from .cli import check, info
 from ._errors import rank_ranges
 from ._mpi import mpi
-from .command import Requirement, UsageError, require, run_command
+from .command import Requirement, UsageError, positive_int, require, run_command
 from .credit.command import add_commands as add_credit_commands, run as run_credit
 from .manager import initialize_domain_parallel, library_comm
 
@@ -31,7 +31,7 @@ def _common(parser):
              "tensor-parallel replica in one group of latitude slabs)",
     )
     parser.add_argument(
-        "--tensor-parallel-size", "-T", type=_positive, default=1,
+        "--tensor-parallel-size", "-T", type=positive_int, default=1,
         help="ranks per tensor-parallel group (default: 1); T x D must divide the number of ranks",
     )
     parser.add_argument(
@@ -64,13 +64,13 @@ def _parser():
                       help="where the test arrays live (default: cuda if every rank has a GPU, else cpu)")
     test.add_argument("--shape", type=_shape, default=None, metavar="B,C,H,W",
                       help="global array shape, sharded along H (default: 1,32,16*D,1440)")
-    test.add_argument("--halo-width", type=_positive, default=2, help="ghost rows on each side (default: 2)")
-    test.add_argument("--repeats", type=_positive, default=20,
+    test.add_argument("--halo-width", type=positive_int, default=2, help="ghost rows on each side (default: 2)")
+    test.add_argument("--repeats", type=positive_int, default=20,
                       help="round trips per bandwidth measurement (default: 20)")
     demo = commands.add_parser("demo", help="train a small U-Net domain-parallel and on one process; compare")
     demo.add_argument("--domain-parallel-size", "-D", type=_domain_size, default=2, metavar="D|DLATxDLON",
                       help="ranks per domain group, or latitude x longitude tiles such as 2x2 (default: 2)")
-    demo.add_argument("--steps", type=_positive, default=5, help="training steps (default: 5)")
+    demo.add_argument("--steps", type=positive_int, default=5, help="training steps (default: 5)")
     demo.add_argument("--size", type=_size, default=(128, 256), metavar="HxW",
                       help="latitudes x longitudes of the synthetic fields (default: 128x256)")
     _forecast_options(commands.add_parser(
@@ -96,13 +96,13 @@ def _forecast_options(parser):
     parser.add_argument("--domain-parallel-size", "-D", type=_domain_size, default=None, metavar="D|DLATxDLON",
                         help="ranks per domain group, or tiles such as 2x2; the other ranks form data-parallel "
                              "groups (default: 2 where the ranks are even, else 1)")
-    parser.add_argument("--steps", type=_positive, default=defaults.steps,
+    parser.add_argument("--steps", type=positive_int, default=defaults.steps,
                         help=f"training steps; the last third trains on rollouts (default: {defaults.steps})")
-    parser.add_argument("--train-rollout", type=_positive, default=defaults.train_rollout, metavar="K",
+    parser.add_argument("--train-rollout", type=positive_int, default=defaults.train_rollout, metavar="K",
                         help=f"rollout steps of the fine-tuning (default: {defaults.train_rollout})")
-    parser.add_argument("--rollout", type=_positive, default=defaults.rollout, metavar="K",
+    parser.add_argument("--rollout", type=positive_int, default=defaults.rollout, metavar="K",
                         help=f"forecast steps (default: {defaults.rollout})")
-    parser.add_argument("--batch", type=_positive, default=defaults.batch,
+    parser.add_argument("--batch", type=positive_int, default=defaults.batch,
                         help=f"samples per step over all data-parallel groups (default: {defaults.batch})")
     parser.add_argument("--out", metavar="PATH", help="folder for the synthetic store, checkpoints and forecast, made "
                         "if missing (default: a new temporary folder)")
@@ -116,7 +116,7 @@ def _forecast_options(parser):
     parser.add_argument("--grid", type=_size, default=defaults.grid, metavar="HxW",
                         help="latitudes x longitudes of the synthetic store (default: %s)" % "x".join(
                             map(str, defaults.grid)))
-    parser.add_argument("--times", type=_positive, default=defaults.times,
+    parser.add_argument("--times", type=positive_int, default=defaults.times,
                         help=f"time steps of the synthetic store (default: {defaults.times})")
     parser.add_argument("--lr", type=_learning_rate, default=defaults.lr,
                         help=f"Adam's learning rate (default: {defaults.lr})")
@@ -125,10 +125,10 @@ def _forecast_options(parser):
     parser.add_argument("--resume", type=_checkpoint, metavar="CHECKPOINT|auto",
                         help="continue training from a checkpoint (any -D), or auto: the newest complete one in --out "
                              "(none: start fresh); a forecast store left by a stopped run is completed")
-    parser.add_argument("--checkpoint-every", type=_positive, metavar="N",
+    parser.add_argument("--checkpoint-every", type=positive_int, metavar="N",
                         help="also save a checkpoint every N training steps (default: at the end, at --stop-after "
                              "and on a stop signal)")
-    parser.add_argument("--keep", type=_positive, default=defaults.keep, metavar="K",
+    parser.add_argument("--keep", type=positive_int, default=defaults.keep, metavar="K",
                         help=f"numbered checkpoints to keep in --out, the newest (default: {defaults.keep})")
     parser.add_argument("--stop-signals", type=_signals, default=defaults.stop_signals, metavar="SIG,...",
                         help="signals that stop training cleanly at the next step boundary with a checkpoint "
@@ -136,27 +136,27 @@ def _forecast_options(parser):
     parser.add_argument("--skip-nan", action="store_true",
                         help="skip a training step whose samples are not finite (default: stop, naming the "
                              "variable, time and step); a loss that is not finite from finite samples always stops")
-    parser.add_argument("--stop-after", type=_positive, metavar="STEP",
+    parser.add_argument("--stop-after", type=positive_int, metavar="STEP",
                         help="stop after this training step with a checkpoint (resume later with --resume)")
     parser.add_argument("--estimate", action="store_true",
                         help="print the predicted activation memory per rank for this layout, then stop")
+    _training_stack_options(parser)
+
+
+def _training_stack_options(parser):
+    """--compile, --activation-checkpoint, --amp: what mpidomain.nn.training switches on (forecast, credit)."""
+    parser.add_argument("--compile", action="store_true",
+                        help="compile the model with torch.compile (the library's communication as custom operators)")
+    parser.add_argument("--activation-checkpoint", action="store_true",
+                        help="recompute activations in backward instead of keeping them (less memory, more compute)")
+    parser.add_argument("--amp", choices=("bf16",), default=None,
+                        help="train under torch.autocast to bfloat16 (float32 models; default: the model's dtype)")
 
 
 def _forecast_defaults():
     from .forecast.settings import ForecastSettings  # no torch: the settings are plain data
 
     return ForecastSettings()
-
-
-def _positive(text):
-    """Parse an int >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
-    return value
 
 
 def _learning_rate(text):
@@ -275,7 +275,8 @@ def _forecast(args):
         train_rollout=args.train_rollout, rollout=args.rollout, batch=args.batch, out=args.out, plot=args.plot,
         model=args.model, dtype=args.dtype, grid=args.grid, times=args.times, lr=args.lr, seed=args.seed,
         resume=args.resume, stop_after=args.stop_after, estimate=args.estimate, checkpoint_every=args.checkpoint_every,
-        keep=args.keep, stop_signals=args.stop_signals, skip_nan=args.skip_nan)
+        keep=args.keep, stop_signals=args.stop_signals, skip_nan=args.skip_nan, compile=args.compile,
+        activation_checkpoint=args.activation_checkpoint, amp=args.amp)
     required, optional = requirements(settings)
     require("forecast", required, optional=optional)  # before the job's modules import them
     from .forecast.job import run_forecast

@@ -30,7 +30,7 @@ from ._agreement import agree
 from ._errors import describe_error, raised_alike, raised_alike_on
 from ._mpi import mpi
 
-__all__ = ["Requirement", "UsageError", "agreed", "decided", "require", "run_command", "world"]
+__all__ = ["Requirement", "UsageError", "agreed", "decided", "positive_int", "require", "run_command", "world"]
 
 #: How long a rank whose command failed, with no agreement step settling it, waits for the other ranks to fail too
 #: before it aborts the job (seconds); longer for a :class:`UsageError`, which every rank raises from the same inputs.
@@ -218,3 +218,16 @@ def run_command(command, work):
             return _status(error)
         return _failed_alone(command, comm, error, claimed=ranks == 0 and isinstance(error, UsageError))
     return 0 if status is None else status
+
+
+def positive_int(text):
+    """Parse a command-line integer >= 1 (an ``argparse`` type: a bad value is one line, exit status 2)."""
+    import argparse
+
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value

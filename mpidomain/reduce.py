@@ -14,7 +14,7 @@ from ._mpi import mpi
 from ._waits import wait_collective
 from ._current import require_manager
 
-__all__ = ["allreduce", "group_communicator"]
+__all__ = ["allreduce", "checked_reduce", "group_communicator"]
 
 GROUPS = ("domain", "tensor_parallel", "data_parallel")
 _PRIVATE = {"domain": "domain", "tensor_parallel": "tp", "data_parallel": "data"}
@@ -46,8 +46,9 @@ def group_communicator(group, manager=None):
     return group
 
 
-def _op_error(op, spec):
-    """Return the TypeError/ValueError for reducing ``spec`` with ``op``, or None."""
+def _op_error(op, spec, needs_grad):
+    """Return the TypeError/ValueError/NotImplementedError for reducing ``spec`` with ``op`` (a backward
+    reduction to follow where ``needs_grad``), or None."""
     if op not in _MPI_OPS:
         return ValueError(f"op must be one of {tuple(_MPI_OPS)}, got {op!r}")
     kind = np.dtype("float32" if spec.dtype in _HALF else spec.dtype).kind
@@ -55,6 +56,8 @@ def _op_error(op, spec):
         return TypeError(
             f"op={op!r} cannot reduce {spec.dtype} values; cast first (e.g. to float32 for a mean or a bool count)"
         )
+    if needs_grad and op == "prod":
+        return NotImplementedError("allreduce(op='prod') is not differentiable; detach the tensor or use another op")
     return None
 
 
@@ -119,9 +122,7 @@ def allreduce(x, op="sum", group="domain", manager=None):
         spec = devices.array_spec(x)
         needs_grad = spec.kind == "torch" and x.requires_grad and _grad_enabled()
         signature = (op, tuple(x.shape), spec.dtype, needs_grad)
-        error = _op_error(op, spec)
-        if error is None and needs_grad and op == "prod":
-            error = NotImplementedError("allreduce(op='prod') is not differentiable; detach the tensor or use another op")
+        error = _op_error(op, spec, needs_grad)
     except TypeError as exc:  # not an array, or a dtype MPI cannot move
         error = exc
     if comm is None:
@@ -131,6 +132,24 @@ def allreduce(x, op="sum", group="domain", manager=None):
     agree(comm, "allreduce", signature, error=error, mismatch=_mismatch)
     if spec.kind == "torch":
         return _autograd_function().apply(x, op, comm)
+    return reduce_array(x, op, comm)
+
+
+def checked_reduce(x, op, comm, needs_grad, call="allreduce"):
+    """Return a new tensor: ``x`` reduced with ``op`` over ``comm``, after :func:`allreduce`'s agreement step.
+
+    Collective over ``comm``: every rank passes the same op, shape, dtype and ``needs_grad`` (whether a
+    backward reduction will follow), or every rank raises. No autograd: for a caller that does its own
+    (the custom operator ``mpidomain::allreduce``). ``call`` names it in the errors.
+    """
+    spec = signature = error = None
+    try:
+        spec = devices.array_spec(x)
+        signature = (op, tuple(x.shape), spec.dtype, bool(needs_grad))
+        error = _op_error(op, spec, needs_grad)
+    except TypeError as exc:
+        error = exc
+    agree(comm, call, signature, error=error, mismatch=_mismatch)
     return reduce_array(x, op, comm)
 
 

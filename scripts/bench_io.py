@@ -4,6 +4,7 @@
     mpiexec -n 2 python scripts/bench_io.py
     mpiexec -n 4 python scripts/bench_io.py            # --tiles 2x2, --levels 8, --steps 3, --halo 2
     mpiexec -n 2 python scripts/bench_io.py --shape 37,72 --levels 2 --steps 1   # a quick look
+    mpiexec -n 1 python scripts/bench_io.py --steps 8 --workers 0,1,2 --compute-ms 150   # DataLoader workers
 
 Rank 0 writes a synthetic ERA5-like Zarr store twice into ``--dir`` (default: a new temporary
 directory, removed at the end): variables ``t`` and ``u`` (time x level x 721 x 1440 float32) and
@@ -48,6 +49,13 @@ per rank (the maximum over ranks): bytes written per sample (counted by ``Counti
 and coordinates included, zarr's default zstd compression on), as a fraction of the field's raw
 bytes and of all ranks' bytes together (the store's: ``1/D`` plus chunk rounding is the goal), the
 peak resident memory added, and wall time per sample (slowest rank, median over steps).
+
+Then reading through a ``torch.utils.data.DataLoader`` (the bands store, ``TileDataset``, its data-parallel
+sampler, batch 1) with each of ``--workers`` worker counts (``persistent_workers`` and ``prefetch_factor=2``
+with workers; ``--context``: fork, spawn or forkserver), ``--compute-ms`` of work on a busy core after each
+sample (a training step's stand-in: what workers read behind): samples per second per rank over ``--epochs``
+epochs after one untimed epoch (the workers' start), the slowest rank's, against the first count (``0``) in
+the same run; the samples are checked to equal the first count's, in the same order (digests).
 """
 
 import argparse
@@ -77,6 +85,7 @@ from mpidomain.data import CountingStore, TileDataset, select_tile, write_tile  
 WORLD = MPI.COMM_WORLD
 VARIABLES = ("t", "u", "sp")
 warnings.filterwarnings("ignore", message=".*[Cc]onsolidated metadata.*")
+warnings.filterwarnings("ignore", message="This DataLoader will create")  # more workers than cores: measured anyway
 
 
 def parse():
@@ -88,6 +97,13 @@ def parse():
     parser.add_argument("--halo", type=int, default=1, help="halo rows and columns (default 1)")
     parser.add_argument("--tiles", default=None, help="D_lat x D_lon tiles, e.g. 2x2 (default: latitude slabs)")
     parser.add_argument("--dir", default=None, help="where to write the stores (default: a temporary directory)")
+    parser.add_argument("--workers", default="0,2", help="DataLoader num_workers to compare (default 0,2)")
+    parser.add_argument("--context", default="fork", choices=("fork", "spawn", "forkserver"),
+                        help="the workers' multiprocessing start method (default fork)")
+    parser.add_argument("--epochs", type=int, default=3, help="timed epochs per worker count (default 3)")
+    parser.add_argument("--compute-ms", type=float, default=0.0,
+                        help="milliseconds of work (a busy core) per sample after it arrives: a training step's "
+                             "stand-in, which workers can read behind (default 0)")
     return parser.parse_args()
 
 
@@ -269,6 +285,65 @@ def write_section(args, manager, paths, root, shape, tiles_grid, field_bytes):
     return ratios
 
 
+def busy(seconds):
+    """Keep this core busy for ``seconds``: a training step's stand-in."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def load_all(dataset, sampler, workers, context, epochs, compute):
+    """(samples per second over ``epochs`` timed epochs after an untimed one, every sample's digest) of a
+    DataLoader with ``workers`` worker processes; ``compute`` seconds of work per sample in between."""
+    options = dict(num_workers=workers)
+    if workers:
+        options.update(persistent_workers=True, prefetch_factor=2, multiprocessing_context=context)
+    loader = torch.utils.data.DataLoader(dataset, batch_size=1, sampler=sampler, **options)
+    for batch in loader:  # untimed: the workers start
+        pass
+    digests, began = [], time.perf_counter()
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)
+        for batch in loader:
+            digests.append(hashlib.blake2b(np.ascontiguousarray(batch.numpy()).data).hexdigest())
+            busy(compute)
+    seconds = time.perf_counter() - began
+    del loader
+    return len(digests) / seconds, digests
+
+
+def loader_section(args, manager, paths):
+    """The DataLoader workers' table; return its summary line."""
+    counts = [int(n) for n in args.workers.split(",")]
+    data = xr.open_zarr(paths["bands"], consolidated=False, chunks=None)
+    dataset = TileDataset(data, VARIABLES, manager=manager, halo=args.halo, boundary="earth")
+    sampler = dataset.sampler(shuffle=True, seed=0)
+    if WORLD.rank == 0:
+        print(f"DataLoader over TileDataset (bands chunks, batch 1, {len(sampler)} samples per epoch per rank, "
+              f"{args.epochs} epochs timed, workers started by {args.context}, {args.compute_ms:g} ms of work per "
+              "sample):")
+        print(f"{'ranks':>5} {'workers':>7} {'samples/s/rank':>14} {'vs first':>9}")
+    results = {}
+    for workers in counts:
+        WORLD.Barrier()
+        rate, digests = load_all(dataset, sampler, workers, args.context, args.epochs, args.compute_ms / 1000)
+        rate = WORLD.allreduce(rate, op=MPI.MIN)
+        results[workers] = (rate, digests)
+        if WORLD.rank == 0:
+            print(f"{WORLD.size:>5} {workers:>7} {rate:>14.2f} {f'x {rate / results[counts[0]][0]:.2f}':>9}")
+    same = all(d == results[counts[0]][1] for _, d in results.values())
+    if not WORLD.allreduce(same, op=MPI.LAND):
+        raise SystemExit(f"bench_io: the DataLoader workers gave other samples, or another order, than "
+                         f"num_workers={counts[0]}")
+    best = max(counts, key=lambda n: results[n][0])
+    base = results[counts[0]][0]
+    if best == counts[0]:
+        return [f"DataLoader: no worker count read faster than num_workers={counts[0]} ({base:.2f} samples/s per "
+                "rank) here; the same samples in the same order"]
+    return [f"DataLoader: {results[best][0]:.2f} samples/s per rank with {best} workers against {base:.2f} with "
+            f"{counts[0]}: x {results[best][0] / base:.2f}; the same samples in the same order"]
+
+
 def main():
     args = parse()
     return_freed_memory()
@@ -311,6 +386,7 @@ def main():
         ratios.append(f"{chunking} chunks: select_tile / whole+shard: bytes {new[0] / base[0]:.3f}x, "
                       f"peak memory {new[1] / max(base[1], 1):.3f}x, time {new[2] / base[2]:.3f}x")
     ratios += write_section(args, manager, paths, root, shape, tiles or (WORLD.size, 1), whole_bytes)
+    ratios += loader_section(args, manager, paths)
     if WORLD.rank == 0:
         for line in ratios:
             print(line)

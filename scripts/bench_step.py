@@ -2,6 +2,7 @@
 """One training step of a converted model at D=1 and D=world size, in one run, on the same cores.
 
     mpiexec -n 2 python scripts/bench_step.py [--model cnn|crossformer|both] [--repeats 5] [--grid 181x360]
+    mpiexec -n 2 python scripts/bench_step.py --compile [--backend inductor]   # compiled against eager, D=2
     python scripts/bench_step.py --bytes            # projected bytes per rank, CrossFormer, D = 2 .. 64
     python scripts/bench_step.py --project [--bandwidth 25] [--latency 2] [--compute-seconds S]
                                                     # projected step time at 0.25 degrees, D = 4 .. 64
@@ -23,6 +24,15 @@ cores are the same, so this is the ideal) and the share of the step spent waitin
 seconds inside the library's MPI waits and blocking collectives (a :class:`mpidomain.comm_stats.WaitTimer`,
 timed where the library completes requests: halo exchanges, all-to-alls, all-reduces, agreement steps).
 Then :class:`mpidomain.nn.CommStats` of one more step: bytes each rank sends, by kind.
+
+``--compile`` runs the step at D = the world's size twice over, eagerly and compiled (``Module.compile``,
+default backend Inductor; the custom operators of :mod:`mpidomain.nn.ops` in the graph), alternating within
+each repeat on the same ranks: the table gives each rank's median seconds per step both ways and their ratio,
+the first compiled step's seconds (tracing and compiling), the graph breaks ``torch._dynamo.explain`` finds,
+and how far the compiled step's loss and parameter gradients are from eager's (relative to the largest;
+first step of each, from the same weights). The CrossFormer runs without spectral norm there: in training
+mode, PyTorch 2.13's Inductor gives ``torch.nn.utils.spectral_norm``'s weight gradients other values than
+eager even on one process (docs/training-stack.md).
 
 ``--bytes`` projects, without MPI ranks, what CommStats would count (all but control) for CREDIT's
 CrossFormer at 1 and 0.25 degrees, D = 2 .. 64 (:func:`project_traffic`: a meta-device training pass
@@ -63,6 +73,9 @@ def parse(argv=None):
     parser.add_argument("--model", choices=("cnn", "crossformer", "both"), default="both")
     parser.add_argument("--repeats", type=int, default=5, help="timed steps per D (median); default 5")
     parser.add_argument("--grid", default=None, help="HxW; default 181x360 (1 degree)")
+    parser.add_argument("--compile", action="store_true",
+                        help="time the step at D = world size eagerly and compiled, alternating, in one run")
+    parser.add_argument("--backend", default="inductor", help="--compile: the torch.compile backend (default inductor)")
     parser.add_argument("--bytes", action="store_true",
                         help="print projected bytes per rank for CREDIT's CrossFormer at 1 and 0.25 degrees, D=2..64")
     parser.add_argument("--project", action="store_true",
@@ -99,7 +112,7 @@ def crossformer_config(shape):
     return CROSSFORMER_SMALL, "no padding"
 
 
-def build(name, shape, config=None):
+def build(name, shape, config=None, spectral_norm=True):
     """A fresh (seeded) float32 model and its whole-field input (1, C, H, W) (5-d for CREDIT's CrossFormer);
     ``config``: the CrossFormer's (default :func:`crossformer_config`'s)."""
     torch.manual_seed(0)
@@ -110,7 +123,7 @@ def build(name, shape, config=None):
     model = credit_crossformer_module().CrossFormer(
         image_height=shape[0], image_width=shape[1], frames=1, output_frames=1, channels=2, levels=2,
         surface_channels=2, input_only_channels=1, depth=(1, 1, 1, 1), cross_embed_strides=(2, 2, 2, 2),
-        use_spectral_norm=True, upsample_with_ps=True, attention_type="scse",
+        use_spectral_norm=spectral_norm, upsample_with_ps=True, attention_type="scse",
         padding_conf=dict(activate=pad_lat is not None, mode="earth", pad_lat=list(pad_lat or ()),
                           pad_lon=list(pad_lon or ())), **config)
     return model, torch.randn(1, 7, 1, *shape)
@@ -119,18 +132,21 @@ def build(name, shape, config=None):
 class Run:
     """One converted model over one manager, ready to step."""
 
-    def __init__(self, name, shape, manager, config=None):
+    def __init__(self, name, shape, manager, config=None, spectral_norm=True):
         self.manager = manager
-        model, field = build(name, shape, config)
+        model, field = build(name, shape, config, spectral_norm)
         self.model = convert_model(model, manager)
         self.x = mpidomain.shard_tensor(field, dim=-2, manager=manager, allow_uneven=True)
         self.count = float(field[:, :4 if name == "cnn" else 6].numel())  # outputs of the whole field
 
     def step(self):
+        """One step; return its loss (this rank's share)."""
         self.model.zero_grad(set_to_none=True)
         y = self.model(self.x)
-        (y.square().sum() / self.count).backward()
+        loss = y.square().sum() / self.count
+        loss.backward()
         allreduce_gradients(self.model, group="domain", op="sum", manager=self.manager)
+        return loss.detach()
 
 
 def wait_sleeping(world):
@@ -200,6 +216,61 @@ def bench(name, args, world):
         for table in tables:
             print(table)
         print(flush=True)
+
+
+def relative_difference(got, want):
+    """max |got - want| over max |want|, over lists of tensors (pairs with a None left out)."""
+    pairs = [(g, w) for g, w in zip(got, want) if g is not None and w is not None]
+    scale = max(float(w.abs().max()) for _, w in pairs)
+    return max(float((g - w).abs().max()) for g, w in pairs) / scale
+
+
+def bench_compile(name, args, world):
+    """Eager and compiled steps at D = the world's size, alternating; one table (see the module docstring)."""
+    n, rank = world.size, world.rank
+    if name == "crossformer" and credit_missing() is not None:
+        if rank == 0:
+            print(f"crossformer: skipped, CREDIT's CrossFormer does not import here ({credit_missing()})", flush=True)
+        return
+    shape = args.shape if name == "crossformer" else tuple(s - s % 2 for s in args.shape)
+    torch.set_num_threads(max(1, cores() // n))
+    manager = mpidomain.DomainParallelManager(n, n)
+    eager, compiled = (Run(name, shape, manager, spectral_norm=False) for _ in range(2))
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(compiled.model)(compiled.x)
+    breaks, graphs = explained.graph_break_count, explained.graph_count
+    torch._dynamo.reset()
+    compiled.model.compile(backend=args.backend)
+    began = time.perf_counter()
+    compiled_loss = compiled.step()  # the first call traces and compiles
+    first = time.perf_counter() - began
+    eager_loss = eager.step()
+    differences = (relative_difference([compiled_loss], [eager_loss]),
+                   relative_difference([p.grad for p in compiled.model.parameters()],
+                                       [p.grad for p in eager.model.parameters()]))
+    differences = tuple(world.allreduce(d, op=MPI.MAX) for d in differences)
+    times = {"eager": [], "compiled": []}
+    for _ in range(args.repeats):
+        for label, run in (("eager", eager), ("compiled", compiled)):
+            wait_sleeping(world)
+            times[label].append(timed(run)[0])
+    mine = tuple(statistics.median(times[label]) for label in ("eager", "compiled"))
+    everyone = world.gather(mine + (first,), root=0)
+    if rank == 0:
+        label = f"{shape[0]}x{shape[1]}" + (f", {crossformer_config(shape)[1]}, no spectral norm"
+                                            if name == "crossformer" else "")
+        print(f"{name}: {label}, float32, batch 1; D={n} on {cores()} cores; backend {args.backend}; median of "
+              f"{args.repeats} steps, eager and compiled alternating", flush=False)
+        print(f"{'model':<12}{'D':>3}{'rank':>6}{'eager s':>10}{'compiled s':>12}{'compiled/eager':>16}"
+              f"{'first step s':>14}")
+        for r, (slow, fast, compile_seconds) in enumerate(everyone):
+            print(f"{name:<12}{n:>3}{r:>6}{slow:>10.4f}{fast:>12.4f}{fast / slow:>16.2f}{compile_seconds:>14.1f}")
+        slowest = [max(e[i] for e in everyone) for i in range(2)]
+        print(f"{name}: compiled step {slowest[1]:.4f} s against {slowest[0]:.4f} s eager at D={n} (slowest rank): "
+              f"x {slowest[1] / slowest[0]:.2f}; {graphs} graph(s), {breaks} graph break(s); compiled against eager: "
+              f"loss {differences[0]:.2g}, gradients {differences[1]:.2g} (relative)")
+        print(flush=True)
+    manager.close()
 
 
 # -- the projection ----------------------------------------------------------------------------------------
@@ -547,7 +618,7 @@ def main(argv=None):
         return
     names = ("cnn", "crossformer") if args.model == "both" else (args.model,)
     for name in names:
-        bench(name, args, world)
+        (bench_compile if args.compile else bench)(name, args, world)
 
 
 if __name__ == "__main__":

@@ -85,7 +85,7 @@ def run_mpi(n, args, timeout=120, env=None):
     if open_mpi():  # more ranks than cores, and as root in CI
         command.insert(1, "--oversubscribe")
         extra.update(open_mpi_env())
-    return subprocess.run(command, env=launcher_env(extra), capture_output=True, text=True, timeout=timeout)
+    return _completed(command, launcher_env(extra), timeout)
 
 
 def program_lines(stderr):
@@ -124,7 +124,20 @@ def open_mpi():
 def run_python(args, timeout=60, env=None):
     """Run ``python args...`` with no launcher (a one-rank MPI world)."""
     command = [sys.executable, *args]
-    return subprocess.run(command, env=launcher_env(env), capture_output=True, text=True, timeout=timeout)
+    return _completed(command, launcher_env(env), timeout)
+
+
+def _completed(command, env, timeout):
+    """``subprocess.run`` of ``command``; a job past ``timeout`` comes back as exit status 124 with what it printed,
+    not as an exception: the rank that started it goes on to share the outcome, and the test fails on every rank
+    instead of leaving the others waiting for it."""
+    try:
+        return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as expired:
+        def text(value):
+            return value.decode(errors="replace") if isinstance(value, bytes) else (value or "")
+        return subprocess.CompletedProcess(command, 124, text(expired.stdout), text(expired.stderr) +
+                                           f"\n[mpitest: the job ran past its {timeout} s and was killed]")
 
 
 # Launchers beyond the suite's own mpiexec, where CI provides them (.ci/run).

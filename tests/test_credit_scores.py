@@ -176,17 +176,22 @@ def test_the_climatology_from_the_data_and_from_files(world, layouts, shared):
                          layouts[0][1])
 
 
+def _read_rows(path):
+    with open(path) as stream:
+        return list(csv.DictReader(stream))
+
+
 def test_the_csv_and_the_text(world, layouts, shared):
     label, manager = layouts[0]
     path = os.path.join(shared, "scores", "scores.csv")
     table = score(manager, csv_path=path)
-    if world.rank == 0:
-        with open(path) as stream:
-            rows = list(csv.DictReader(stream))
-        assert list(rows[0]) == ["lead_hours", "variable", "level", "rmse", "acc", "forecasts"]
-        assert len(rows) == len(table.rows) == len(LEADS) * 5
-        assert [float(r["rmse"]) for r in rows] == [r.rmse for r in table.rows]
-        assert not os.path.exists(path + ".partial")
+    # Read on rank 0 and shared: a rank asserting alone before the next collective (score) could leave the others
+    # waiting in it.
+    rows, partial = mpitest.share(world, (_read_rows(path), os.path.exists(path + ".partial")) if world.rank == 0 else None)
+    assert list(rows[0]) == ["lead_hours", "variable", "level", "rmse", "acc", "forecasts"]
+    assert len(rows) == len(table.rows) == len(LEADS) * 5
+    assert [float(r["rmse"]) for r in rows] == [r.rmse for r in table.rows]
+    assert not partial
     text = table.format().splitlines()
     assert text[0].split() == ["lead", "(h)", "variable", "level", "rmse", "acc", "forecasts"]
     assert len(text) == len(table.rows) + 1

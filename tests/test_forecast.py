@@ -81,7 +81,7 @@ def test_float64_runs_agree_at_every_layout(world, tmp_path, fresh_manager):
                                                                                    "longitude")
     assert np.isfinite(forecast["t"].values).all() and forecast["t"].dtype == np.float64
     if world.rank == 0:
-        assert lines[-1].startswith("forecast done: cnn float64, D=1"), lines[-1]
+        assert lines[-1].startswith("forecast done: cnn float64 (eager), D=1"), lines[-1]
         assert any("latitude-weighted RMSE" in line for line in lines)
     for d, got in runs.items():
         assert_same(got, reference, FLOAT64, f"D={d}")
@@ -139,6 +139,23 @@ def test_resume_auto_takes_the_newest_complete_checkpoint(world, tmp_path, fresh
     assert resumed[0] == whole[0]
     for name in whole[1].data_vars:
         assert np.array_equal(resumed[1][name].values, whole[1][name].values), name
+
+
+def test_the_training_stack_trains_as_eager(world, tmp_path, fresh_manager):
+    """--compile with --activation-checkpoint gives the eager run's losses and forecast (float64; compiled with
+    aot_eager, the graph the library's operators make, without Inductor's kernels); --amp bf16 trains within
+    bfloat16's reach of float32 (a few units of its 2**-8 rounding); the summary line says what was on."""
+    d = layouts(world)[-1]
+    eager = run(world, tmp_path, "eager", domain=d, dtype="float64")
+    stacked = run(world, tmp_path, "stacked", domain=d, dtype="float64", compile=True, activation_checkpoint=True,
+                  compile_backend="aot_eager")
+    assert_same(stacked, eager, FLOAT64, "compile + activation checkpoint against eager")
+    float32 = run(world, tmp_path, "float32", domain=d)
+    bf16 = run(world, tmp_path, "bf16", domain=d, amp="bf16")
+    assert np.isfinite(bf16[0]).all() and relative(bf16[0], float32[0]) < 0.05, (bf16[0], float32[0])
+    if world.rank == 0:
+        assert "(compile, activation checkpoint)" in stacked[2][-1], stacked[2][-1]
+        assert "(amp bf16)" in bf16[2][-1] and "(eager)" in eager[2][-1], (bf16[2][-1], eager[2][-1])
 
 
 def nan_store(world, tmp_path, times=12):
@@ -237,7 +254,7 @@ def test_the_command_runs_and_draws(world, tmp_path):
     status, stdout, stderr, drawn, files = share(world, result)
     assert status == 0, stderr[-3000:]
     lines = stdout.strip().splitlines()
-    assert lines[-1].startswith("forecast done: cnn float32, D=2x2 x 1 group(s)"), stdout
+    assert lines[-1].startswith("forecast done: cnn float32 (eager), D=2x2 x 1 group(s)"), stdout
     assert " MiB/rank" in lines[-1] and "s/step" in lines[-1]
     assert drawn and {"checkpoint.pt", "era5-synthetic.zarr", "forecast.zarr", "forecast.png"} <= set(files)
     assert "train" in stderr and "forecast" in stderr  # the progress bars (rank 0, stderr)

@@ -9,6 +9,7 @@ did: the same losses, and a forecast store equal array for array.
 
 import json
 import os
+import pathlib
 import re
 import subprocess
 import sys
@@ -63,6 +64,13 @@ def same(got, want):
     losses, arrays = got
     return losses == want[0] and arrays is not None and sorted(arrays) == sorted(want[1]) and all(
         np.array_equal(arrays[name], want[1][name]) for name in arrays)
+
+
+@pytest.fixture
+def tmp_path(tmp_path, world):
+    """Rank 0's temporary folder, on every rank: rank 0 starts the jobs, and every rank checks what they printed,
+    which names it (each rank's own pytest has its own temporary folders)."""
+    return pathlib.Path(share(world, str(tmp_path) if world.rank == 0 else None))
 
 
 @pytest.fixture(scope="module")
@@ -151,7 +159,7 @@ def test_a_signal_on_one_rank_stops_cleanly_and_the_run_resumes(world, tmp_path,
     (status, stdout, stderr, *_), left, rerun, got = share(world, result)
     assert status == 0, stderr[-3000:]
     assert re.search(f"^{line}$", stdout, re.M), stdout
-    assert stdout.strip().splitlines()[-1].startswith("forecast stopped: cnn float32")
+    assert stdout.strip().splitlines()[-1].startswith("forecast stopped: cnn float32 (eager)")
     assert left == files
     assert rerun[0] == 0, rerun[2][-3000:]
     assert same(got, reference)
@@ -328,6 +336,7 @@ def test_every_option_with_a_bad_value_is_one_line_and_status_2(world, tmp_path)
             ("--seed", ["--seed", str(2**64)]), ("--variables", ["--variables", "t2m,t2m"]),
             ("--data", ["--data", os.path.join(out, "forecast.zarr"), "--out", out]),
             ("--out", ["--out", str(used)]), ("--lr", ["--lr", "1e30", "--skip-nan", "--out", out + "-diverging"]),
+            ("--amp", ["--amp", "fp8"]), ("--amp", ["--amp", "bf16", "--dtype", "float64"]),
         ]
         other = [("--halo-width", ["check", "--halo-width", "0"]), ("--repeats", ["check", "--repeats", "0"]),
                  ("--shape", ["check", "--shape", "1,2"]), ("--tensor-parallel-size", ["check", "-T", "0"]),

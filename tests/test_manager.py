@@ -50,11 +50,12 @@ def test_node_layout(world):
         assert m.num_nodes == len(roots) and 0 <= m.node_index < m.num_nodes
         node.Free()
         launcher = mpidomain.detect_launcher()
-        if launcher.local_rank is not None and launcher.name.startswith(("MPICH", "Open MPI", "Slurm")):
+        known = launcher.local_rank is not None and launcher.name.startswith(("MPICH", "Open MPI", "Slurm"))
+        if world.allreduce(int(known), op=MPI.MIN):  # each rank reads its own environment: agree first
             # The launcher numbers a node's processes in its mapping order (Open MPI maps by
             # package, so its local ranks can be a permutation of MPI's); the count agrees.
-            assert launcher.local_size == m.local_size
             mine = [r for n, r in m.comm.allgather((m.node_index, launcher.local_rank)) if n == m.node_index]
+            assert launcher.local_size == m.local_size
             assert sorted(mine) == list(range(m.local_size))
             if not launcher.name.startswith("Open MPI"):
                 assert launcher.local_rank == m.local_rank

@@ -34,6 +34,13 @@ class TileDataset(Dataset):
     ranks different ones: :meth:`sampler` is a ``DistributedSampler`` over the
     data-parallel axis (``manager.data_parallel_coords()``; the same as one
     over the bridged ``manager.data_parallel_group``).
+
+    A ``torch.utils.data.DataLoader`` may read it with worker processes
+    (``num_workers``, ``persistent_workers``, ``prefetch_factor``; ``fork`` or
+    ``spawn``): an item is pure I/O, so no worker makes an MPI call (a
+    ``spawn`` worker's pickled copy holds no manager; a ``fork`` worker's copy
+    keeps it and never calls it); build the sampler in the main process. The workers give the same samples in the same order as
+    ``num_workers=0``.
     """
 
     def __init__(self, data, variables, levels=None, manager=None, *, halo=0, boundary=None, periodic=False,
@@ -91,6 +98,19 @@ class TileDataset(Dataset):
     def __len__(self):
         return self._length
 
+    def __getstate__(self):
+        """The dataset without its manager (communicators cannot leave the process): what a worker gets."""
+        state = dict(self.__dict__)
+        state["manager"] = None
+        state["_data_parallel"] = self._data_parallel_coords()
+        return state
+
+    def _data_parallel_coords(self):
+        """(data-parallel rank, number of data-parallel groups): the manager's, or those it had when pickled."""
+        if self.manager is not None:
+            return self.manager.data_parallel_coords()
+        return self.__dict__.get("_data_parallel", (0, 1))
+
     def _step(self, name, index):
         variable = self._tile[name]
         return variable.isel({self._time: index}) if self._time in variable.dims else variable
@@ -110,6 +130,6 @@ class TileDataset(Dataset):
 
     def sampler(self, shuffle=True, seed=0, drop_last=False):
         """Return a ``DistributedSampler`` over the data-parallel axis: the same indices on every rank of a domain group."""
-        rank, size = self.manager.data_parallel_coords() if self.manager is not None else (0, 1)
+        rank, size = self._data_parallel_coords()
         return DistributedSampler(self, num_replicas=size, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last)
 

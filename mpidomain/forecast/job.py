@@ -35,7 +35,8 @@ from ..data import CountingStore, TileDataset, select_tile, write_tile
 from ..manager import initialize_domain_parallel, library_comm
 from ..models import (UNet, convert_model, credit_crossformer, credit_missing, custom_converters,
                       unet_grid_problem)
-from ..nn import LatitudeWeightedMSE, allreduce_gradients, estimate_memory, latitude_weighted_rmse
+from ..nn import (LatitudeWeightedMSE, TrainingOptions, allreduce_gradients, estimate_memory, latitude_weighted_rmse,
+                  prepare_training)
 from ..preemption import StopSignals
 from ..reduce import allreduce
 from .outputs import prepare_outputs
@@ -417,8 +418,10 @@ class _Job:
                         "Inf)")
         return None
 
-    def train_step(self, model, optimizer, loss_function, step):
-        """One optimizer step; return its loss (the mean over the data-parallel groups), or None if skipped."""
+    def train_step(self, setup, optimizer, loss_function, step):
+        """One optimizer step of ``setup`` (:class:`~mpidomain.nn.TrainingSetup`); return its loss (the mean over
+        the data-parallel groups), or None if skipped."""
+        model = setup.model
         rollout = self.rollout_of(step)
         starts = self.starts(step, rollout)
         inputs = [self.dataset[t] for t in starts]
@@ -434,31 +437,36 @@ class _Job:
             return None
         optimizer.zero_grad(set_to_none=True)
         x, total = torch.stack(inputs), 0
-        for k in range(1, rollout + 1):
-            x = model(x)
-            total = total + loss_function(x, torch.stack(targets[k - 1]))
-        loss = total / rollout
+        with setup.autocast():
+            for k in range(1, rollout + 1):
+                x = model(x)
+                total = total + loss_function(x, torch.stack(targets[k - 1]))
+            loss = total / rollout
         value = float(loss.detach())
         message = self._not_finite(step, "loss", None if math.isfinite(value) else
                                    f"the loss is not finite ({value}) on data-parallel group {self.manager.dp_rank}, "
                                    "from finite samples")
         if message is not None:  # the weights made it: skipping the step would leave them so (--skip-nan or not)
             raise UsageError(f"{message}: the model diverged; lower --lr")
-        loss.backward()
+        setup.backward(loss)
         allreduce_gradients(model, group="domain", op="sum", manager=self.manager)
         allreduce_gradients(model, group="data_parallel", op="mean", manager=self.manager)
-        optimizer.step()
+        setup.step(optimizer)
         weights = next((n for n, p in model.named_parameters() if not torch.isfinite(p).all()), None)
         message = self._not_finite(step, "weights", None if weights is None else
                                    f"the weights ({weights}) are not finite after the optimizer step")
         if message is not None:  # no step can be skipped past this: every later one would start from them
             raise UsageError(f"{message}; lower --lr")
-        return float(allreduce(loss.detach(), "mean", "data_parallel", self.manager))
+        return float(allreduce(loss.detach().double(), "mean", "data_parallel", self.manager))
 
     def train(self, model, optimizer, name, statistics, first, stop):
         """Train from step ``first`` to the last; checkpoint periodically and at the end; raise :class:`_Stopped`
-        when a stop signal is settled at a step boundary. Return the path of the checkpoint of the last step."""
+        when a stop signal is settled at a step boundary. Return the path of the checkpoint of the last step.
+
+        ``model`` trains through what ``--compile``, ``--activation-checkpoint`` and ``--amp`` switch on
+        (:func:`~mpidomain.nn.prepare_training`); its own state_dict is what the checkpoints hold."""
         settings = self.settings
+        setup = prepare_training(model, self.training_options(), manager=self.manager)
         loss_function = LatitudeWeightedMSE(self.latitude, self.manager)
         last = settings.stop_after or settings.steps
         model.train()
@@ -468,7 +476,7 @@ class _Job:
         with self.progress(last, "train", initial=first - 1) as bar:
             for step in range(first, last + 1):
                 began = time.perf_counter()
-                loss = self.train_step(model, optimizer, loss_function, step)
+                loss = self.train_step(setup, optimizer, loss_function, step)
                 self.losses.append(math.nan if loss is None else loss)
                 self.step_seconds.append(self.world.allreduce(time.perf_counter() - began, op=mpi().MAX))
                 bar.set_postfix_str(f"loss {self.losses[-1]:.4g}, rollout {self.rollout_of(step)}")
@@ -483,6 +491,15 @@ class _Job:
             self.say(f"nothing to train: the checkpoint is after step {first - 1} of {last}")
             path = self.save(model, optimizer, first - 1, name, statistics)
         return path
+
+    def training_options(self, forecast=False):
+        """What the command line switches on (:class:`~mpidomain.nn.TrainingOptions`); the forecast only compiles
+        (no backward to checkpoint for, written in the model's dtype)."""
+        settings = self.settings
+        if forecast:
+            return TrainingOptions(compile=settings.compile, compile_backend=settings.compile_backend)
+        return TrainingOptions(compile=settings.compile, activation_checkpoint=settings.activation_checkpoint,
+                               amp=settings.amp, compile_backend=settings.compile_backend)
 
     # -- the forecast --------------------------------------------------------------------------------
     def forecast_done(self, path, digest):
@@ -611,7 +628,7 @@ def _run(job, stop, started):
     first = job.restore(model, optimizer, resumed) if resumed else 1
     job.say(f"mpidomain forecast: {job.size} ranks = {manager.data_parallel_size} data-parallel group(s) x "
             f"D={settings.domain_text(job.size)} ({'tiles' if manager.tiled else 'latitude slabs'}); {name} model, "
-            f"{settings.dtype}; {len(job.channels)} channels ({', '.join(job.channels)}) on {job.grid[0]} x "
+            f"{settings.dtype}, {job.training_options().summary()}; {len(job.channels)} channels ({', '.join(job.channels)}) on {job.grid[0]} x "
             f"{job.grid[1]}; data {job.data_path}")
     checkpoint = job.train(model, optimizer, name, statistics, first, stop)
     job.say(f"checkpoint after step {len(job.losses)}: {checkpoint}")
@@ -622,6 +639,7 @@ def _run(job, stop, started):
                        lambda: torch.load(checkpoint, map_location="cpu", weights_only=False))
         job.load_weights(forecaster, state, checkpoint)
         digest = _digest(forecaster.state_dict())
+        forecaster = prepare_training(forecaster, job.training_options(forecast=True), manager=manager).model
         path = os.path.join(job.folder, "forecast.zarr")
         done = job.forecast_done(path, digest) if settings.resume else 0
         if not settings.resume and job.rank == 0:
@@ -664,7 +682,7 @@ def _summary(job, name, seconds, outcome):
         losses = f"loss {finite[0]:.6g} -> {finite[-1]:.6g} after {len(job.losses)} steps" if finite else "no step trained"
         skipped = f" ({len(job.skipped)} skipped: not finite)" if job.skipped else ""
         per_step = f"{float(np.median(job.step_seconds)):.3f} s/step; " if job.step_seconds else ""
-        job.print(f"forecast {outcome}: {name} {job.settings.dtype}, D={job.settings.domain_text(job.size)} x "
+        job.print(f"forecast {outcome}: {name} {job.settings.dtype} ({job.training_options().summary()}), D={job.settings.domain_text(job.size)} x "
                   f"{job.manager.data_parallel_size} group(s); {losses}{skipped}; {per_step}peak {_mib(peak):.0f} "
                   f"MiB/rank; read {_mib(read):.2f} MiB/rank, wrote {_mib(written):.2f} MiB/rank; {seconds:.1f} s")
 

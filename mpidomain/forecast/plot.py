@@ -16,7 +16,7 @@ def draw(png, job, forecast_path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    name, levels = job.layout()[0]
+    name, levels = job.layout[0]
     lead = job.settings.rollout
     pick = {"level": 0} if levels else {}
     forecast = xr.open_zarr(forecast_path, consolidated=False, chunks=None)[name].isel(time=-1, **pick)

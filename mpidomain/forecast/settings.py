@@ -7,11 +7,12 @@ from typing import Optional, Tuple, Union
 from ..command import Requirement
 from ..preemption import signal_number
 
-__all__ = ["ForecastSettings", "MODELS", "DTYPES", "requirements"]
+__all__ = ["AMP", "ForecastSettings", "MODELS", "DTYPES", "requirements"]
 
 MODELS = ("auto", "cnn", "crossformer")
 MAX_SEED = 2**32 - 1  # torch's and NumPy's seeds both take it
 DTYPES = ("float32", "float64")
+AMP = ("bf16",)
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,12 @@ class ForecastSettings:
     :param stop_signals: Signals that stop the run cleanly at the next step boundary, with a checkpoint.
     :param skip_nan: Skip a training step whose samples are not finite (else: stop with an error); a loss that is
         not finite from finite samples always stops the run (the model diverged).
+    :param compile: Train with the model compiled (``torch.compile``; the forecast's model too).
+    :param activation_checkpoint: Recompute the model's activations in backward instead of keeping them.
+    :param amp: ``"bf16"``: train under ``torch.autocast`` to bfloat16 (``--dtype float32`` only); None: the
+        model's dtype.
+    :param compile_backend: ``torch.compile``'s backend with ``compile`` (no option: ``"aot_eager"`` compiles
+        without generating kernels, for tests).
     """
 
     data: Optional[str] = None
@@ -68,6 +75,10 @@ class ForecastSettings:
     keep: int = 3
     stop_signals: Tuple[str, ...] = ("SIGTERM", "SIGUSR1")
     skip_nan: bool = False
+    compile: bool = False
+    activation_checkpoint: bool = False
+    amp: Optional[str] = None
+    compile_backend: str = "inductor"
 
     def problems(self, world_size):
         """Return what is wrong with these settings for ``world_size`` ranks, one line each (empty: fine)."""
@@ -95,6 +106,11 @@ class ForecastSettings:
             found.append(f"--model must be one of {', '.join(MODELS)}, got {self.model!r}")
         if self.dtype not in DTYPES:
             found.append(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.amp is not None and self.amp not in AMP:
+            found.append(f"--amp must be one of {', '.join(AMP)}, got {self.amp!r}")
+        elif self.amp is not None and self.dtype != "float32":
+            found.append(f"--amp {self.amp} autocasts a float32 model; --dtype {self.dtype} is not autocast: use "
+                         "--dtype float32 or leave out --amp")
         if not (math.isfinite(self.lr) and self.lr > 0):
             found.append(f"--lr must be a finite number > 0, got {self.lr}")
         for name in self.stop_signals:

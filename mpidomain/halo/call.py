@@ -18,7 +18,7 @@ from .._current import require_manager
 from .plan import HaloPlan
 from .spec import describe, group_mismatch
 
-__all__ = ["cached_plan", "halo_exchange"]
+__all__ = ["adjoint_of", "cached_plan", "halo_exchange", "pad_for_grad"]
 
 
 class HaloCall(NamedTuple):
@@ -296,6 +296,37 @@ def _padded(x, arguments, out=None):
     settled = _settle(x, arguments, _Lookup(manager, cache, host, quick, found), out, padding=True)
     plan = settled.plan
     return plan, plan.pad(x, out) if settled.pad is None else plan.finish_pad(x, settled.pad)
+
+
+def pad_for_grad(x, halo_width, dim, periodic, boundary, manager, grad):
+    """Return ``x`` padded as :func:`halo_exchange` pads it, for a caller that does its own autograd.
+
+    Collective over the domain group, with :func:`halo_exchange`'s agreement step; ``grad`` says whether
+    a backward (:func:`adjoint_of`) will follow, which every rank must agree on (the step checks it, as for
+    a tensor that requires grad). The custom operator ``mpidomain::halo_pad`` runs this.
+    """
+    _, padded = _padded(x, HaloCall(halo_width, dim, periodic, boundary, manager, "pad+grad" if grad else "pad"))
+    return padded
+
+
+def adjoint_of(grad, halo_width, dim, periodic, boundary, manager):
+    """Return the gradient of the unpadded shard from ``grad`` of the padded one: :meth:`HaloPlan.adjoint`.
+
+    Collective over the domain group, with the agreement step of :func:`halo_exchange`'s backward: every
+    rank passes the gradient of the array its :func:`pad_for_grad` (same arguments) returned.
+    """
+    arguments = HaloCall(halo_width, dim, periodic, boundary, manager, "adjoint")
+    return _plan(grad[_interior_of(grad, halo_width, dim)], arguments).adjoint(grad)
+
+
+def _interior_of(padded, halo_width, dim):
+    """The index of ``padded``'s rows without the ``halo_width`` ghost rows on each side of ``dim`` (normalised)."""
+    dims = dim if isinstance(dim, tuple) else (dim,)
+    widths = halo_width if isinstance(halo_width, tuple) else (halo_width,) * len(dims)
+    index = [slice(None)] * padded.ndim
+    for d, w in zip(dims, widths):
+        index[d] = slice(w, padded.shape[d] - w)
+    return tuple(index)
 
 
 _FUNCTION = None

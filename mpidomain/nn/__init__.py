@@ -26,6 +26,7 @@ from .redistribution import Redistribute
 from .rule import Decision, Rule, RuleContext
 from .shuffle import DomainParallelPixelUnshuffle
 from .stats import CommStats
+from .training import AgreedGradScaler, TrainingOptions, TrainingSetup, prepare_training
 from .window_attention import DomainParallelWindowAttention, WindowAttentionSpec, window_attention_spec
 
 __all__ = [
@@ -68,4 +69,8 @@ __all__ = [
     "LatitudeWeightedMSE",
     "latitude_weighted_rmse",
     "latitude_weighted_acc",
+    "TrainingOptions",
+    "TrainingSetup",
+    "prepare_training",
+    "AgreedGradScaler",
 ]

@@ -15,6 +15,7 @@ from .._agreement import agree
 from .._waits import allgather_ints
 from .._validate import normalize_dim
 from ..manager import library_comm, sharded_dims
+from . import ops, plans
 from .halo import HaloExchange
 from .module import DomainParallelModule as Wrapper
 
@@ -72,30 +73,55 @@ def layer_agree(manager, name, x, dim, settings, error=None):
     settings, dtype and extents but along ``dim`` on every rank, or every rank
     raises; a local ``error`` raises on every rank). Along a dim the manager
     does not shard each rank holds all of it: ``(0, 1)``; with tiles, the
-    coordinate and the number of tiles along ``dim``.
+    coordinate and the number of tiles along ``dim``. While Dynamo traces, the
+    step runs at trace time (:func:`mpidomain.nn.plans.planned`).
     """
-    description = None
-    if error is None:  # extents along dim and along the manager's sharded dims may differ (uneven shards)
-        free = {dim, *(s.dim for s in sharded_dims(manager, x.ndim))}
-        shape = tuple(None if i in free else n for i, n in enumerate(x.shape))
-        description = (settings, str(x.dtype), shape, bool(x.requires_grad))
-    agree(library_comm(manager), name, description, error=error)
+    if error is not None:
+        ops.raise_on_every_rank(library_comm(manager), name, error)
+    plans.planned(manager, "layer_agree", (name, _description(manager, x, dim, settings)))
     return place(manager, x, dim)
+
+
+def _description(manager, x, dim, settings):
+    """What every rank must pass alike to layer ``name``: its settings, dtype, and extents but the sharded ones."""
+    free = {dim, *(s.dim for s in sharded_dims(manager, x.ndim))}
+    shape = tuple(None if i in free else int(n) for i, n in enumerate(x.shape))
+    return (settings, str(x.dtype), shape, bool(x.requires_grad))
+
+
+def _agreed(manager, key):
+    name, description = key
+    agree(library_comm(manager), name, description)
+    return True
 
 
 def layer_extents(manager, name, x, dim, settings, error=None):
     """Return (the extent along ``dim`` of each tile coordinate, this rank's coordinate) for layer ``name``.
 
     Collective over the domain group: :func:`layer_agree`, then one bounded allgather of two integers
-    (``([extent], 0)`` along a dim the manager does not shard).
+    (``([extent], 0)`` along a dim the manager does not shard). While Dynamo traces, a constant of the
+    graph (:func:`mpidomain.nn.plans.planned`).
     """
-    index, size = layer_agree(manager, name, x, dim, settings, error)
+    if error is not None:
+        ops.raise_on_every_rank(library_comm(manager), name, error)
+    index, size = place(manager, x, dim)
+    key = (name, _description(manager, x, dim, settings), dim, index, size, int(x.shape[dim]))
+    return plans.planned(manager, "layer_extents", key)
+
+
+def _gathered_extents(manager, key):
+    name, description, dim, index, size, extent = key
+    agree(library_comm(manager), name, description)
     if size == 1:
-        return [int(x.shape[dim])], 0
+        return (extent,), 0
     extents = [0] * size
-    for coord, extent in allgather_ints(library_comm(manager), (index, int(x.shape[dim])), name):
-        extents[coord] = extent  # the tiles of a row (or column) share it
-    return extents, index
+    for coord, theirs in allgather_ints(library_comm(manager), (index, extent), name):
+        extents[coord] = theirs  # the tiles of a row (or column) share it
+    return tuple(extents), index
+
+
+plans.register_gather("layer_agree", _agreed)
+plans.register_gather("layer_extents", _gathered_extents)
 
 
 def fetch_rows(x, window, halo, dim, manager, *, edge="zeros", first=True, last=True):

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from . import rows
 from ._shard import Wrapper, fetch_rows, layer_agree, layer_extents, place, require_covered, shard_dims, spatial_axis
 from .overlap import overlapped_rows, resolve
+from .precision import conv_input
 
 __all__ = [
     "DomainParallelConv2d",
@@ -95,7 +96,7 @@ class _ForwardConv(_Conv):
         the exchange along the last sharded dim (latitude on slabs, longitude on tiles) travels
         while the rows that need no halo along it are convolved (:mod:`mpidomain.nn.overlap`).
         """
-        x = self._pre_hooks(x)
+        x = conv_input(self._pre_hooks(x))  # under autocast, the halos travel in its dtype
         conv, name, manager = self.conv, type(self).__name__, self._manager()
         dims = shard_dims(self.shard_dim)
         pads, axes = self._own_padding(), []
@@ -228,7 +229,7 @@ class _TransposedConv(_Conv):
         With tiles, the input rows along each sharded dim in turn, one transposed convolution, then
         this rank's output rows along each sharded dim.
         """
-        x = self._pre_hooks(x)
+        x = conv_input(self._pre_hooks(x))  # under autocast, the halos travel in its dtype
         conv, name, manager = self.conv, type(self).__name__, self._manager()
         error = None
         if output_size is not None:
@@ -269,7 +270,7 @@ class _TransposedConv(_Conv):
                 full = F.pad(full, [0, 0] * (full.ndim - 1 - dim) + [0, short])
             full = full.narrow(dim, window.skip, window.outputs)
         if conv.bias is not None:
-            full = full + conv.bias.view((1, -1) + (1,) * self._spatial)
+            full = full + conv.bias.view((1, -1) + (1,) * self._spatial).to(full.dtype)  # autocast: its dtype
         return full
 
 

@@ -22,7 +22,6 @@ of ``align[1]`` (they do for 360 + 76 + 76 on 2 tiles); otherwise it raises on e
 ``pad_NS``, ``pad_WE``, ``pad``, ``unpad``), without importing CREDIT.
 """
 
-import numpy as np
 import torch
 
 from .._agreement import agree
@@ -33,7 +32,8 @@ from ..layout.moves import RowMove, contiguous_layout
 from ..layout.tiles import balanced_split
 from ._shard import place
 from .halo import HaloExchange
-from .redistribution import Redistribute
+from . import ops, plans
+from .redistribution import redistribute_rows
 
 __all__ = ["DomainParallelTensorPadding", "is_tensor_padding", "aligned_extents"]
 
@@ -66,10 +66,36 @@ def aligned_extents(total, parts, align):
     return [n * align for n in balanced_split(total // align, parts)[0]]
 
 
+@torch.compiler.assume_constant_result
+def _row_move(source, target):
+    """The :class:`RowMove` from contiguous blocks of ``source`` rows to blocks of ``target``, as its
+    :func:`mpidomain.nn.ops.move_handle` (a graph constant)."""
+    return ops.move_handle(RowMove(contiguous_layout(source), contiguous_layout(target)))
+
+
 def _move(y, source, target, manager):
     """Deal ``y``'s latitude rows from extents ``source`` to ``target`` (contiguous blocks); differentiable."""
-    move = RowMove(contiguous_layout(source), contiguous_layout(target))
-    return Redistribute(move, -2, manager)(y)
+    return redistribute_rows(y, _row_move(tuple(source), tuple(target)), -2, manager)
+
+
+def _gathered_layout(manager, key):
+    """Agree on ``key``'s description and gather every tile's extents: (latitude extents of this rank's longitude
+    column, longitude extents of its latitude band); collective over the domain group."""
+    name, description, lat, lats, lon, lons, rows, cols = key
+    agree(library_comm(manager), name, description)
+    everyone = allgather_ints(library_comm(manager), (lat, lon, rows, cols), name)
+    extents = [0] * lats
+    for c, o, r, _ in everyone:
+        if o == lon:
+            extents[c] = r
+    lon_extents = [0] * lons
+    for c, o, _, n in everyone:
+        if c == lat:
+            lon_extents[o] = n
+    return tuple(extents), tuple(lon_extents)
+
+
+plans.register_gather("tensor padding layout", _gathered_layout)
 
 
 class DomainParallelTensorPadding(torch.nn.Module):
@@ -121,21 +147,15 @@ class DomainParallelTensorPadding(torch.nn.Module):
         elif tuple(manager.shard_dims) not in ((-2,), (-2, -1)):
             error = ValueError(f"{name} needs a manager sharding latitude (shard_dim=-2) or tiles (-2, -1), got "
                                f"shard_dim={manager.shard_dim}")
-        shape = None if error else tuple(x.shape[:-2]) + (None, None)
-        agree(library_comm(manager), name, (self.mode, self.pad_lat, self.pad_lon, self.align, str(x.dtype), shape),
-              error=error)
+        if error is not None:
+            ops.raise_on_every_rank(library_comm(manager), name, error)
+        shape = tuple(int(n) for n in x.shape[:-2]) + (None, None)
+        description = (self.mode, self.pad_lat, self.pad_lon, self.align, str(x.dtype), shape)
         lat, lats = place(manager, x, x.ndim - 2)
         lon, lons = place(manager, x, x.ndim - 1)
-        everyone = allgather_ints(library_comm(manager), (lat, lon, int(x.shape[-2]), int(x.shape[-1])), name)
-        extents = [0] * lats
-        for c, o, rows, _ in everyone:
-            if o == lon:
-                extents[c] = rows
-        lon_extents = [0] * lons
-        for c, o, _, cols in everyone:
-            if c == lat:
-                lon_extents[o] = cols
-        return manager, extents, lat, lon, lon_extents
+        key = (name, description, lat, lats, lon, lons, int(x.shape[-2]), int(x.shape[-1]))
+        extents, lon_extents = plans.planned(manager, "tensor padding layout", key)
+        return manager, list(extents), lat, lon, list(lon_extents)
 
     def pad(self, x):
         """Return this rank's rows of the padded global field, in ``align``-row blocks; collective."""
@@ -154,10 +174,10 @@ class DomainParallelTensorPadding(torch.nn.Module):
             problem = (f"pad_lat={self.pad_lat} needs more rows than the smallest shard of {extents} holds; use fewer "
                        "latitude ranks")
         elif lons > 1:
-            starts = np.cumsum([0] + lon_extents[:-1]) + left
-            if any(int(s) % self.align[1] for s in starts[1:]) or max(left, right) > min(lon_extents):
+            starts = [left + sum(lon_extents[:o]) for o in range(lons)]
+            if any(s % self.align[1] for s in starts[1:]) or max(left, right) > min(lon_extents):
                 problem = (f"longitude tiles of {lon_extents} columns padded by {self.pad_lon} start at "
-                           f"{[int(s) for s in starts]}, not all multiples of {self.align[1]}; choose D_lon so they do")
+                           f"{starts}, not all multiples of {self.align[1]}; choose D_lon so they do")
         if problem:  # every rank computed the same layout: the same error everywhere
             raise ValueError(f"{name}(mode={self.mode!r}, pad_lat={self.pad_lat}, pad_lon={self.pad_lon}): {problem}")
         self._input_extents[padded_rows] = list(extents)

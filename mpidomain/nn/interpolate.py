@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from . import rows
+from .precision import float32_work, work_dtype
 from ._shard import fetch_rows, layer_extents, require_covered, shard_dims, spatial_axis
 
 __all__ = ["DomainParallelInterpolate"]
@@ -57,6 +58,15 @@ def _taps(n, size, scale, mode, align_corners, recompute, dtype):
         indices[o, len(taps):] = taps[0]
         weights[o, :len(taps)] = matrix[o, taps]
     return indices, weights, matrix.shape[0]
+
+
+@torch.compiler.assume_constant_result
+def _resampling(extents, size, scale, mode, align_corners, recompute, dtype):
+    """Return (indices, weights, every shard's window, the halo) along one dim of ``extents``: :func:`_taps`
+    and :func:`_windows`, a constant of a compiled graph (Dynamo calls it at trace time). Local."""
+    indices, weights, m = _taps(sum(extents), size, scale, mode, align_corners, recompute, dtype)
+    windows = tuple(_windows(extents, indices, m))
+    return indices, weights, windows, rows.halo_for(windows)
 
 
 def _windows(extents, indices, m):
@@ -125,17 +135,21 @@ class DomainParallelInterpolate(torch.nn.Module):
         for shard_dim in shard_dims(self.shard_dim):
             dim, axis = spatial_axis(x, shard_dim, spatial, name)
             extents, index = layer_extents(manager, name, x, dim, settings)
-            n = sum(extents)
-            indices, weights, m = _taps(n, None if size is None else size[axis],
-                                        None if scale is None else scale[axis], self.mode, self.align_corners,
-                                        self.recompute_scale_factor, x.dtype)
-            windows = _windows(extents, indices, m)
-            halo = rows.halo_for(windows)
+            indices, weights, windows, halo = _resampling(tuple(extents), None if size is None else size[axis],
+                                                    None if scale is None else scale[axis], self.mode,
+                                                    self.align_corners, self.recompute_scale_factor,
+                                                    work_dtype(x.dtype))
             if halo > min(extents):
                 raise ValueError(f"{name}({settings}) needs {halo} rows of each neighbour, more than the smallest "
                                  f"shard of {list(extents)} holds; use fewer domain ranks")
             x = fetch_rows(x, windows[index], halo, dim, manager)
             along.append((dim, axis, windows[index], indices, weights))
+        dtype = x.dtype
+        with torch.autocast(x.device.type, enabled=False):  # float32 work for half precision, as torch's kernels
+            return self._resample(float32_work(x), along, size, scale, spatial).to(dtype)
+
+    def _resample(self, x, along, size, scale, spatial):
+        """The resampling of the fetched rows ``x``: ``F.interpolate`` along local dims, the taps along ``along``."""
         axes = [axis for _, axis, _, _, _ in along]
         others = dict(mode=self.mode, recompute_scale_factor=self.recompute_scale_factor)
         if self.mode in ("linear", "bilinear", "bicubic", "trilinear"):

@@ -18,6 +18,7 @@ from .._agreement import agree
 from .._current import require_manager
 from ..manager import library_comm, sharded_dims
 from ..reduce import reduce_array
+from . import ops, plans
 
 __all__ = ["latitude_weights", "LatitudeWeightedMSE", "latitude_weighted_rmse", "latitude_weighted_acc",
            "ACC_EPSILON"]
@@ -74,19 +75,19 @@ class LatitudeWeightedMSE(torch.nn.Module):
             error = ValueError(
                 f"LatitudeWeightedMSE: pred has {pred.shape[-2]} rows (dim -2) on this rank but the loss was built "
                 f"with {len(self.weights)} latitudes; build it with this rank's rows' latitudes (those of its shard)")
-        description = None if error is not None else _description(pred, target)
         if self._manager is None:
             if error is not None:
                 raise error
+        elif error is not None:
+            ops.raise_on_every_rank(library_comm(self._manager, "domain"), "LatitudeWeightedMSE", error)
         else:
-            agree(library_comm(self._manager, "domain"), "LatitudeWeightedMSE", description, error=error,
-                  mismatch=lambda descriptions: _mismatch("LatitudeWeightedMSE", descriptions))
+            plans.planned(self._manager, "LatitudeWeightedMSE", _description(pred, target))
         self.weights = self.weights.to(pred.device)
         squared = (pred.double() - target.double()).square()
         partial = (_sum_but_rows(squared) * self.weights).sum()
         totals = torch.stack([partial, partial.new_tensor(float(squared.numel()))])
         if self._manager is not None:
-            totals = _SumOverDomain.apply(totals, library_comm(self._manager, "domain"))
+            totals = ops.sum_partials(totals, self._manager)
         return totals[0] / totals[1]
 
 
@@ -151,22 +152,14 @@ def latitude_weighted_acc(pred, target, climatology, latitude, manager=None):
     return covariance / ((forecast_power * truth_power).sqrt() + ACC_EPSILON)
 
 
-class _SumOverDomain(torch.autograd.Function):
-    """All-reduce (sum) forward, identity backward: for partial sums that every rank turns into the same loss.
+def _agreed_fields(manager, description):
+    """The loss's agreement step on ``description`` (:func:`_description`); collective over the domain group."""
+    agree(library_comm(manager, "domain"), "LatitudeWeightedMSE", description,
+          mismatch=lambda descriptions: _mismatch("LatitudeWeightedMSE", descriptions))
+    return True
 
-    Every rank computes the same loss from the summed partials and backpropagates it. The objective is
-    that one loss, not D copies of it, so its gradient with respect to this rank's partial sum is the
-    upstream gradient itself. :func:`mpidomain.allreduce`'s backward sums the ranks' upstream gradients
-    (right when each rank's output feeds a different loss), which here would multiply every gradient by D.
-    """
 
-    @staticmethod
-    def forward(ctx, partial, comm):
-        return reduce_array(partial.detach(), "sum", comm)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
+plans.register_gather("LatitudeWeightedMSE", _agreed_fields)
 
 
 def _sum_over_domain(values, manager):

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from ..reduce import allreduce
 from ._shard import Wrapper
+from .precision import float32_work, output_dtype
 
 __all__ = ["DomainParallelBatchNorm", "DomainParallelGroupNorm", "batch_norm"]
 
@@ -43,8 +44,11 @@ class DomainParallelGroupNorm(Wrapper):
         if x.ndim < 2 or x.shape[1] != norm.num_channels:
             raise ValueError(f"DomainParallelGroupNorm expects (B, {norm.num_channels}, ...) inputs, got shape "
                              f"{tuple(x.shape)}")
-        return _GroupNormFunction.apply(x, norm.weight if norm.affine else None, norm.bias if norm.affine else None,
-                                        norm.num_groups, norm.eps, manager)
+        dtype = output_dtype(x, "group_norm")
+        with torch.autocast(x.device.type, enabled=False):  # float32 work for half precision, as torch's kernels
+            out = _GroupNormFunction.apply(float32_work(x), norm.weight if norm.affine else None,
+                                           norm.bias if norm.affine else None, norm.num_groups, norm.eps, manager)
+        return out.to(dtype)
 
 
 def _sum_over_domain(partial, manager):
@@ -117,6 +121,13 @@ def batch_norm(x, norm, manager, counted=None):
     """
     if not norm.training and norm.running_mean is not None:
         return F.batch_norm(x, norm.running_mean, norm.running_var, norm.weight, norm.bias, False, 0.0, norm.eps)
+    dtype = output_dtype(x, "batch_norm")
+    with torch.autocast(x.device.type, enabled=False):  # float32 work for half precision, as torch's kernels
+        return _batch_norm(float32_work(x), norm, manager, counted).to(dtype)
+
+
+def _batch_norm(x, norm, manager, counted):
+    """:func:`batch_norm` with the batch statistics, in ``x``'s dtype."""
     channels = x.shape[1]
     flat = x.transpose(0, 1).reshape(channels, -1)
     if counted is None:
@@ -138,12 +149,26 @@ def batch_norm(x, norm, manager, counted=None):
     if norm.training and norm.track_running_stats:
         with torch.no_grad():
             norm.num_batches_tracked.add_(1)
-            factor = norm.momentum if norm.momentum is not None else 1.0 / float(norm.num_batches_tracked)
-            n = float(total)
-            norm.running_mean.mul_(1 - factor).add_(mean.detach(), alpha=factor)
-            norm.running_var.mul_(1 - factor).add_(var.detach() * (n / max(n - 1, 1.0)), alpha=factor)
+            if torch.compiler.is_compiling():  # the same in tensors: no value leaves the graph
+                _update_running_traced(norm, mean.detach(), var.detach(), total)
+            else:
+                factor = norm.momentum if norm.momentum is not None else 1.0 / float(norm.num_batches_tracked)
+                n = float(total)
+                norm.running_mean.mul_(1 - factor).add_(mean.detach(), alpha=factor)
+                norm.running_var.mul_(1 - factor).add_(var.detach() * (n / max(n - 1, 1.0)), alpha=factor)
     shape = (channels, x.shape[0]) + tuple(x.shape[2:])
     return out.reshape(shape).transpose(0, 1)
+
+
+def _update_running_traced(norm, mean, var, total):
+    """Move ``norm``'s running statistics by the batch's ``mean`` and ``var`` (of ``total`` elements, a tensor)."""
+    if norm.momentum is not None:
+        factor = norm.momentum
+    else:
+        factor = (1.0 / norm.num_batches_tracked.double()).to(mean.dtype)
+    unbiased = var * (total / torch.clamp(total - 1, min=1.0)).to(var.dtype)
+    norm.running_mean.mul_(1 - factor).add_(mean * factor)
+    norm.running_var.mul_(1 - factor).add_(unbiased * factor)
 
 
 class DomainParallelBatchNorm(Wrapper):

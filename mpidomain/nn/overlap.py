@@ -75,7 +75,13 @@ def overlap_default():
 
 
 def resolve(setting):
-    """A layer's ``overlap`` setting (True, False or None: the default) as a bool."""
+    """A layer's ``overlap`` setting (True, False or None: the default) as a bool; False while Dynamo traces.
+
+    A compiled graph exchanges, then computes: its halo exchange is one operator
+    (:mod:`mpidomain.nn.ops`), not a start and a wait with work between them.
+    """
+    if torch.compiler.is_compiling():
+        return False
     return overlap_default() if setting is None else bool(setting)
 
 

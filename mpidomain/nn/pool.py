@@ -24,6 +24,7 @@ from . import rows
 from ._shard import Wrapper, fetch_rows, layer_extents, require_covered, shard_dims, spatial_axis
 from .conv import _check_windows
 from .overlap import overlapped_rows, resolve
+from .precision import float32_work
 
 __all__ = ["DomainParallelAdaptiveAvgPool2d", "DomainParallelAdaptiveMaxPool2d", "DomainParallelAvgPool2d",
            "DomainParallelMaxPool2d", "adaptive_pool"]
@@ -120,9 +121,8 @@ class DomainParallelMaxPool2d(_WindowPool):
 
     def _pool(self, x, cuts, k, s, d, p, ceil):
         for dim, _, window, total in cuts:  # rows beyond the field never win a max
-            outside = self._outside(x, dim, window, total)
-            if bool(outside.any()):
-                x = x.masked_fill(outside, float("-inf"))
+            if window.in_start < 0 or window.in_stop > total:
+                x = x.masked_fill(self._outside(x, dim, window, total), float("-inf"))
         axes = [axis for _, axis, _, _ in cuts]
         padding = [0 if i in axes else p[i] for i in range(2)]
         return F.max_pool2d(x, k, s, padding, d, ceil_mode=ceil)
@@ -139,6 +139,11 @@ class DomainParallelAvgPool2d(_WindowPool):
     _base = torch.nn.AvgPool2d
 
     def _pool(self, x, cuts, k, s, d, p, ceil):
+        dtype = x.dtype
+        with torch.autocast(x.device.type, enabled=False):  # float32 work for half precision, as torch's kernel
+            return self._average(float32_work(x), cuts, k, s, p, ceil).to(dtype)
+
+    def _average(self, x, cuts, k, s, p, ceil):
         pool = self.pool
         axes = [axis for _, axis, _, _ in cuts]
         padding = [0 if i in axes else p[i] for i in range(2)]
@@ -209,6 +214,13 @@ def adaptive_pool(x, output_size, kind, shard_dim, manager, name):
         dim, axis = spatial_axis(x, sd, 2, name)
         extents, index = layer_extents(manager, name, x, dim, settings)
         sharded.append((dim, axis, extents, index))
+    dtype = x.dtype
+    with torch.autocast(x.device.type, enabled=False):  # float32 work for half precision, as torch's kernels
+        return _adaptive_parts(float32_work(x), sizes, kind, sharded, manager).to(dtype)
+
+
+def _adaptive_parts(x, sizes, kind, sharded, manager):
+    """:func:`adaptive_pool` once the extents are gathered (``sharded``: (dim, axis, extents, index) per dim)."""
     axes = [axis for _, axis, _, _ in sharded]
     pooled = F.adaptive_avg_pool2d if kind == "avg" else F.adaptive_max_pool2d
     local = [x.shape[2 + i] if (i in axes or sizes[i] is None) else sizes[i] for i in range(2)]

@@ -7,9 +7,11 @@ back along the inverse move to the ranks they came from.
 
 import torch
 
+from .._current import require_manager
 from ..redistribution import redistribute
+from . import ops
 
-__all__ = ["Redistribute"]
+__all__ = ["Redistribute", "inverse_move", "redistribute_rows"]
 
 
 class _RedistributeFunction(torch.autograd.Function):
@@ -25,6 +27,22 @@ class _RedistributeFunction(torch.autograd.Function):
     def backward(ctx, grad):
         move, dim, manager = ctx.arguments
         return redistribute(grad.contiguous(), inverse_move(move), dim, manager=manager), None, None, None
+
+
+def redistribute_rows(x, move, dim, manager=None):
+    """Return this rank's rows of ``x`` in ``move``'s target layout along ``dim``; differentiable.
+
+    ``move``: a RowMove, a pair of them (tiles, both dims), or its :func:`mpidomain.nn.ops.move_handle`.
+
+    Collective over the domain group, forward and backward (:func:`mpidomain.redistribution.redistribute`;
+    backward the inverse move). While Dynamo traces, the ``mpidomain::redistribute`` operator
+    (:mod:`mpidomain.nn.ops`).
+    """
+    if ops.compiling():
+        return ops.redistribute(x, move, dim, require_manager(manager, "redistribute"))
+    if isinstance(move, int):  # a handle (mpidomain.nn.ops.move_handle)
+        move = ops.moves_of(move)
+    return _RedistributeFunction.apply(x, move, dim, manager)
 
 
 def inverse_move(move):
@@ -53,7 +71,7 @@ class Redistribute(torch.nn.Module):
 
     def forward(self, x):
         """Return this rank's rows of ``x`` in the target layout (see the class docstring)."""
-        return _RedistributeFunction.apply(x, self.move, self.dim, self.manager)
+        return redistribute_rows(x, self.move, self.dim, self.manager)
 
     def extra_repr(self):
         moves = self.move if isinstance(self.move, tuple) else (self.move,)

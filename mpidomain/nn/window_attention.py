@@ -19,12 +19,12 @@ from dataclasses import dataclass
 
 import torch
 
-from .._agreement import agree
 from .._validate import is_int
 from ..manager import library_comm, sharded_dims
 from ..layout.moves import WINDOW_KINDS, window_move
 from ._shard import Wrapper, layer_extents, place, shard_dims
-from .redistribution import Redistribute, inverse_move
+from . import ops
+from .redistribution import inverse_move, redistribute_rows
 
 __all__ = ["DomainParallelWindowAttention", "WindowAttentionSpec", "window_attention_spec"]
 
@@ -57,6 +57,28 @@ def window_attention_spec(module):
     if not isinstance(getattr(module, "rel_pos_indices", None), torch.Tensor):
         return None
     return WindowAttentionSpec(kind, int(window))
+
+
+@torch.compiler.assume_constant_result
+def _window_moves(kind, window, along):
+    """Return (((dim, move, its inverse), ...), None), or ((), the error's message): the moves (as
+    :func:`mpidomain.nn.ops.move_handle` numbers) that give every
+    rank whole ``kind`` windows of ``window`` rows along each ``(dim, every rank's extents)`` of ``along``.
+
+    None along a dim whose shards hold whole windows in order already; with tiles and both dims moving, one
+    pair of moves over both. Local: a constant of a compiled graph.
+    """
+    moves = []
+    for dim, extents in along:
+        try:
+            move = window_move(kind, extents, window)
+        except ValueError as exc:
+            return (), f"{_NAME} along dim {dim - 4} (extents {extents}): {exc}"
+        if move.source != move.target:  # shards of whole windows already (alike on every rank): nothing moves
+            moves.append((dim, move))
+    if len(moves) == 2 and moves[1][0] == moves[0][0] + 1:  # tiles, both dims: one all-to-all, not two
+        moves = [(tuple(dim for dim, _ in moves), tuple(move for _, move in moves))]
+    return tuple((dim, ops.move_handle(move), ops.move_handle(inverse_move(move))) for dim, move in moves), None
 
 
 class DomainParallelWindowAttention(Wrapper):
@@ -127,29 +149,19 @@ class DomainParallelWindowAttention(Wrapper):
         try:
             dims = self._check(x, manager)
         except (TypeError, ValueError) as error:
-            agree(library_comm(manager), _NAME, None, error=error)  # the others meet it in layer_extents
-            raise
-        moves, error = [], None
+            ops.raise_on_every_rank(library_comm(manager), _NAME, error)  # the others meet it in layer_extents
+        along = []  # (dim, every rank's extents along it)
         for dim in dims:
-            if place(manager, x, dim)[1] == 1:
-                continue
-            extents, _ = layer_extents(manager, _NAME, x, dim, settings)
-            try:
-                move = window_move(self.kind, tuple(extents), self.window_size)
-            except ValueError as exc:
-                error = ValueError(f"{_NAME} along dim {dim - 4} (extents {tuple(extents)}): {exc}")
-                break
-            if move.source != move.target:  # shards of whole windows already (alike on every rank): nothing moves
-                moves.append((dim, move))
+            if place(manager, x, dim)[1] > 1:
+                along.append((dim, tuple(layer_extents(manager, _NAME, x, dim, settings)[0])))
+        moves, error = _window_moves(self.kind, self.window_size, tuple(along))
         if error is not None:  # the same on every rank (the extents were gathered), settled before raising
-            agree(library_comm(manager), _NAME + " layout", None, error=error)
-        if len(moves) == 2 and moves[1][0] == moves[0][0] + 1:  # tiles, both dims: one all-to-all, not two
-            moves = [(tuple(dim for dim, _ in moves), tuple(move for _, move in moves))]
-        for dim, move in moves:
-            x = Redistribute(move, dim, manager)(x)
+            ops.raise_on_every_rank(library_comm(manager), _NAME + " layout", ValueError(error))
+        for dim, move, _ in moves:
+            x = redistribute_rows(x, move, dim, manager)
         y = self._run(x)
-        for dim, move in reversed(moves):
-            y = Redistribute(inverse_move(move), dim, manager)(y)
+        for dim, _, back in reversed(moves):
+            y = redistribute_rows(y, back, dim, manager)
         return y
 
     def _run(self, x):
