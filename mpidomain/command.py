@@ -98,7 +98,7 @@ def require(command, requirements, *, optional=()):
     raise: return the set of their names that are missing on any rank (the same set on every rank).
     """
     comm = world()
-    missing = {}
+    missing, installs = {}, {}
     for requirement in (*requirements, *optional):
         if requirement.module in missing:
             continue
@@ -106,6 +106,10 @@ def require(command, requirements, *, optional=()):
             module = importlib.import_module(requirement.module)
         except Exception as error:  # noqa: BLE001 - a broken install raises what it raises
             missing[requirement.module] = f"does not import here ({describe_error(error)})"
+            needs = _missing_dependency(error, requirement.module)
+            if needs is not None:  # the package is there, a package it imports is not: install that one
+                missing[requirement.module] = f"does not import here: it needs {needs} ({describe_error(error)})"
+                installs[requirement.module] = f"pip install {_PIP_NAMES.get(needs, needs)}"
             continue
         found = getattr(module, "__version__", None)
         if requirement.minimum and found is not None and _release(found) < _release(requirement.minimum):
@@ -114,12 +118,24 @@ def require(command, requirements, *, optional=()):
     for requirement in requirements:
         if requirement.module in missing:
             error = UsageError(f"{requirement.module} is needed for {requirement.needed_for} but "
-                               f"{missing[requirement.module]}; install it: {requirement.install}")
+                               f"{missing[requirement.module]}; install it: "
+                               f"{installs.get(requirement.module, requirement.install)}")
             break
     agree(comm, f"{command}: checking the installed packages", None, error=error)
     names = {requirement.module for requirement in optional}
     everywhere = set().union(*comm.allgather(sorted(names & set(missing))))
     return everywhere
+
+
+# Import names whose package on PyPI is named otherwise.
+_PIP_NAMES = {"yaml": "pyyaml", "PIL": "pillow", "sklearn": "scikit-learn"}
+
+
+def _missing_dependency(error, module):
+    """The top-level module whose absence made ``module``'s import fail, if it is another one; else None."""
+    name = getattr(error, "name", None) if isinstance(error, ModuleNotFoundError) else None
+    top = name.partition(".")[0] if name else None
+    return top if top and top != module.partition(".")[0] else None
 
 
 def agreed(comm, call, work):

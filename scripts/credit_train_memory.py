@@ -4,7 +4,7 @@
 
 The job of ``mpidomain.credit.synthetic`` at 721 x 1440 with CREDIT's 0.25-degree example's channels
 (``wxformer_era5_025deg_6hr.yml``: U, V, T, specific_total_water at 13 levels, 4 prognostic surface
-fields, 8 diagnostics, 2 dynamic forcings, 2 statics; 70 input and 64 output channels), a slim CrossFormer
+fields, 8 diagnostics, 2 dynamic forcings, 2 statics; 60 input and 64 output channels), a slim CrossFormer
 (dims 8..64, Earth padding to 768 x 1472), ``forecast_len: 2``, batch 1, one optimizer step. Each layout
 runs as its own ``mpiexec -n N`` job of this script (``--worker``), which trains in process and reports,
 from the largest rank: the peak resident memory, the resident memory before the first step (imports,
@@ -146,7 +146,7 @@ def main():
         _, held_whole_read, read_whole, held_whole = sample_bytes(settings, GRID, (1,))
         refusal = _credit_refusal()
         mib = lambda n: f"{n / 2**20:.0f} MiB"  # noqa: E731
-        print(f"credit train, one optimizer step of forecast_len 2 on {GRID[0]} x {GRID[1]} (70 input, 64 output "
+        print(f"credit train, one optimizer step of forecast_len 2 on {GRID[0]} x {GRID[1]} (60 input, 64 output "
               "channels, 13 levels), batch 1; largest rank:\n")
         print("| layout | peak RSS | RSS before the step | bytes read | CREDIT's pattern: bytes read per rank | "
               "CREDIT's pattern: sample + gathered prediction held | predicted activations |")

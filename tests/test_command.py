@@ -24,6 +24,21 @@ def test_require_names_the_package_what_needs_it_and_the_install_line(world):
     assert message.endswith("install it: pip install mpidomain-no-such-package")
 
 
+def test_a_package_whose_own_dependency_is_missing_names_that_one(world, monkeypatch):
+    """xarray installed but pandas not: the line says what is missing and installs it, not xarray again."""
+    real = command.importlib.import_module
+
+    def without_pandas(name):
+        if name == "xarray":
+            raise ModuleNotFoundError("No module named 'pandas'", name="pandas")
+        return real(name)
+    monkeypatch.setattr(command.importlib, "import_module", without_pandas)
+    with pytest.raises(UsageError) as caught:
+        require("test", [Requirement("xarray", "reading the data", "pip install xarray")])
+    assert str(caught.value) == ("xarray is needed for reading the data but does not import here: it needs pandas "
+                                 "(ModuleNotFoundError: No module named 'pandas'); install it: pip install pandas")
+
+
 def test_a_package_older_than_needed_counts_as_missing(world):
     import numpy
 

@@ -29,13 +29,14 @@ def _config(folder, name, conf):
 def test_help_imports_neither_torch_nor_credit():
     program = ("import argparse, sys; from mpidomain.credit.command import add_commands; "
                "p = argparse.ArgumentParser(prog='python -m mpidomain credit'); "
-               "add_commands(p.add_subparsers(dest='c')); p.print_help(); "
+               "train, _ = add_commands(p.add_subparsers(dest='c')); p.print_help(); train.print_help(); "
                "print(sorted(m for m in ('torch', 'credit', 'xarray') if m in sys.modules))")
     done = run_python(["-c", program], timeout=60) if WORLD.rank == 0 else None
     done = share(WORLD, None if done is None else (done.returncode, done.stdout, done.stderr))
     status, out, err = done
     assert status == 0, err
     assert "{train,rollout}" in out and out.strip().endswith("[]"), out
+    assert all(option in out for option in ("--compile", "--activation-checkpoint", "--amp {bf16}")), out
 
 
 def test_refused_key_and_bad_data_are_one_line_and_exit_2(credit_data):
@@ -85,7 +86,7 @@ def test_a_signal_on_one_rank_stops_every_rank_and_resume_auto_finishes(credit_d
     assert os.path.exists(os.path.join(save_loc, "checkpoint-step-000003.pt"))
     assert resumed_status == 0, resumed_err
     assert "--resume: continuing from" in resumed_out and "checkpoint-step-000003.pt" in resumed_out
-    assert "credit train done: D=2 x 1 group(s); 10 steps" in resumed_out, resumed_out
+    assert "credit train done: D=2 x 1 group(s), eager; 10 steps" in resumed_out, resumed_out
     _, rows = step_losses(save_loc)
     for row, reference in zip(rows, credit_reference["steps"]):
         assert abs(row[1] - sum(reference)) <= 1e-5 * abs(sum(reference))
@@ -100,3 +101,38 @@ def test_estimate_runs_in_one_process(credit_data):
     assert "estimate for D=2x2 (tiles) on 48 x 64" in out
     assert "bytes read per rank per optimizer step" in out and "CREDIT's pattern" in out
 
+
+
+MISSING = [  # (hidden, what the line says, its install line)
+    ("yaml", "yaml is needed for reading the config", "pip install pyyaml"),
+    ("bridgescaler", "bridgescaler is needed for the normalisation", "pip install bridgescaler"),
+    ("credit", "credit is needed for CREDIT's model loader", "pip install --no-deps miles-credit==2026.2.0"),
+    ("netCDF4", "netCDF4 is needed for reading the netCDF files", "pip install netCDF4"),
+]
+
+
+def test_a_missing_package_is_one_line_on_every_rank_within_seconds(credit_data, tmp_path_factory):
+    """Each package hidden from every rank of a 4-rank job (tests/hide/sitecustomize.py): one line from rank 0
+    naming it, what needs it and its install line; exit status 2, no traceback, well under the wait timeout;
+    nothing written in save_loc."""
+    from mpitest import hiding_env
+
+    folder, conf = credit_data
+    save_loc = os.path.join(folder, "missing-run")
+    path = _config(folder, "missing.yml", dict(conf, save_loc=save_loc))
+    outcomes = None
+    if WORLD.rank == 0:
+        import time
+
+        outcomes = []
+        for hidden, _, _ in MISSING:
+            began = time.perf_counter()
+            done = run_mpi(4, [*COMMAND, "-c", path], timeout=180, env=hiding_env(hide=(hidden,)))
+            outcomes.append((done.returncode, program_lines(done.stderr), "Traceback" in done.stderr,
+                             time.perf_counter() - began, os.path.isdir(save_loc)))
+    outcomes = share(WORLD, outcomes)
+    for (hidden, needed, install), (status, lines, traceback, seconds, written) in zip(MISSING, outcomes):
+        assert status == 2 and len(lines) == 1 and not traceback, (hidden, status, lines)
+        assert lines[0].startswith("python -m mpidomain credit train: error: ") and needed in lines[0] and \
+            install in lines[0], (hidden, lines)
+        assert seconds < 60 and not written, (hidden, seconds, written)

@@ -238,7 +238,7 @@ def test_loss_and_metrics_from_tiles_equal_credits_on_the_whole_field(credit_dat
     from credit.losses import load_loss
     from credit.metrics import load_metric
 
-    from mpidomain.credit.dataset import tile_bounds
+    from mpidomain.credit.output import tile_extent
     from mpidomain.credit.loss import TileLoss, TileMetrics
 
     if domain == "tiles" and WORLD.size != 4:
@@ -254,7 +254,7 @@ def test_loss_and_metrics_from_tiles_equal_credits_on_the_whole_field(credit_dat
         full_pred[entry["var_key"]] = full_target[entry["var_key"]] + torch.randn(shape, generator=generator)
     manager = _manager(layout)
     try:
-        rows, columns = tile_bounds(manager, (48, 64))
+        rows, columns = ((r.start, r.stop) for r in tile_extent(manager, (48, 64)))
         cut = lambda t: t[..., rows[0]:rows[1], columns[0]:columns[1]].clone()  # noqa: E731
         pred = {k: cut(v).requires_grad_() for k, v in full_pred.items()}
         target = {k: cut(v) for k, v in full_target.items()}
@@ -448,6 +448,27 @@ def test_stop_and_resume_continue_bit_for_bit(credit_data):
         assert [r[0] for r in rows] == list(range(6, 11))
         for row, reference in zip(rows, expected[5:]):
             assert abs(row[1] - reference[1]) <= 1e-5 * abs(reference[1])
+
+
+@pytest.mark.credit
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_amp_bf16_trains_within_bfloat16s_reach(credit_data):
+    """--amp bf16 (autocast to bfloat16 on the CPU, where CREDIT's trainer.amp does nothing): every step's loss
+    within 5 % of the float32 run's (bfloat16 rounds to 2**-8 relative; ten steps of AdamW carry it on), finite,
+    and the run says what was on."""
+    from mpidomain.credit.trainer import TrainOptions
+
+    folder, conf = credit_data
+    plain = fresh(os.path.join(folder, f"amp-plain-{WORLD.size}"))
+    eager = train_here(layout_conf(conf, plain), (WORLD.size,))
+    half = fresh(os.path.join(folder, f"amp-bf16-{WORLD.size}"))
+    bf16 = train_here(layout_conf(conf, half), (WORLD.size,), TrainOptions(progress=False, amp="bf16"))
+    assert (eager["run"].stack.summary(), bf16["run"].stack.summary()) == ("eager", "amp bf16")
+    (_, got), (_, want) = step_losses(half), step_losses(plain)
+    assert len(got) == len(want) and all(np.isfinite(row[1]) for row in got)
+    worst = max(abs(g[1] - w[1]) / abs(w[1]) for g, w in zip(got, want))
+    assert worst < 0.05, (worst, got, want)
 
 
 @pytest.mark.credit

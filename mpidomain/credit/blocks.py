@@ -74,14 +74,19 @@ def era5_scalers(mean_path, std_path, keys, levels=None):
     return scalers
 
 
-def channel_layouts(conf):
+def channel_layouts(conf, saved=False):
     """Return (input layout, target layout): lists of ``(key, levels, times)`` in CREDIT's channel order.
 
-    CREDIT's ``ChannelSchema.from_config`` of the config (the layout its ``concat`` validates against). Local.
+    CREDIT's ``ChannelSchema.from_config`` of the config (the layout its ``concat`` validates against); with
+    ``saved``, as ``credit rollout`` finds it: ``save_loc/channel_schema.yaml`` (the training run's) where it
+    exists (``ChannelSchema.load_or_from_config``). Local.
     """
     from credit.datasets.gen_2.channel_utils import ChannelSchema
 
-    schema = ChannelSchema.from_config(conf)
+    schema = ChannelSchema.load_or_from_config(conf) if saved else ChannelSchema.from_config(conf)
+    if schema is None:
+        raise UsageError("data: no channel layout: neither save_loc/channel_schema.yaml nor the data block gives "
+                         "the model's channels")
     as_list = lambda layout: [(e["var_key"], int(e["n_levels"]), int(e["n_time"])) for e in layout]  # noqa: E731
     return as_list(schema.input_layout), as_list(schema.target_layout)
 
@@ -91,10 +96,11 @@ class Blocks:
 
     Build once (reads the scaler files; local). :meth:`pre` normalises the named input and target tensors and
     concatenates them; :meth:`post` reconstructs and un-normalises the flat prediction and target.
+    ``layouts`` (input, target) replaces the config's own channel layout (:func:`channel_layouts`).
     """
 
-    def __init__(self, conf, settings):
-        self.input_layout, self.target_layout = channel_layouts(conf)
+    def __init__(self, conf, settings, layouts=None):
+        self.input_layout, self.target_layout = layouts if layouts is not None else channel_layouts(conf)
         self.levels = {key: levels for key, levels, _ in self.input_layout + self.target_layout}
         input_keys = [key for key, _, _ in self.input_layout]
         target_keys = [key for key, _, _ in self.target_layout]
@@ -177,6 +183,8 @@ class Blocks:
         for step in self.post_steps:
             if step[0] == "reconstruct":
                 _, in_key, out_key, detach = step
+                if state.get(in_key) is None:  # the target's twin in a forecast, which has no target
+                    continue
                 flat = state[in_key]
                 if self.clamp is not None and in_key == "y":
                     flat = torch.clamp(flat.float(), min=self.clamp[0], max=self.clamp[1])

@@ -14,8 +14,8 @@ from typing import Optional, Tuple
 
 from ..command import UsageError
 
-__all__ = ["FieldSettings", "DataSettings", "TrainSettings", "load_config", "read_settings", "parse_domain",
-           "FIELD_KINDS", "TRAINER_TYPES"]
+__all__ = ["FieldSettings", "DataSettings", "TrainSettings", "load_config", "read_settings", "read_data",
+           "check_blocks", "parse_domain", "FIELD_KINDS", "TRAINER_TYPES"]
 
 FIELD_KINDS = ("prognostic", "diagnostic", "dynamic_forcing", "static")
 TRAINER_TYPES = ("gen2", "era5-gen2")
@@ -485,6 +485,30 @@ def _trainer(reader, trainer, world_size, domain_override):
         reader.refuse("trainer.scheduler.scheduler_type", scheduler.get("scheduler_type"),
                       "use_scheduler needs a scheduler (e.g. linear-warmup-cosine), or set use_scheduler: false")
     return domain, data_mode, max_norm, use_scheduler, scheduler.get("scheduler_type", "")
+
+
+def read_data(block, where="data", model_levels=None):
+    """Return the :class:`DataSettings` of a ``data``-shaped ``block`` (the config key ``where``).
+
+    Pure. Raises :class:`UsageError` with one line listing every refused key, alike on every rank.
+    ``model_levels`` is ``model.levels`` (3-D variables need levels from one of them).
+    """
+    reader = _Reader({})
+    data = _data(reader, block, where, model_levels)
+    if reader.problems:
+        raise UsageError("; ".join(reader.problems))
+    return data
+
+
+def check_blocks(conf):
+    """Check the ``preblocks`` and ``postblocks`` of ``conf``: the block types applied by tile, and their keys.
+
+    Pure. Raises :class:`UsageError` with one line listing every refused block, alike on every rank.
+    """
+    reader = _Reader(conf)
+    _blocks(reader, conf)
+    if reader.problems:
+        raise UsageError("; ".join(reader.problems))
 
 
 def read_settings(conf, world_size, domain=None):

@@ -27,10 +27,10 @@ from torch.utils.data import Dataset
 
 from .._errors import raised_alike
 from ..command import UsageError
-from ..layout.tiles import balanced_split
 from .files import FileIndex, index_files
+from .output import tile_extent
 
-__all__ = ["TileSource", "CreditTileDataset", "plan_source", "source_clock", "tile_bounds"]
+__all__ = ["TileSource", "CreditTileDataset", "plan_source", "source_clock"]
 
 _OPEN_FILES = 8
 
@@ -53,19 +53,6 @@ class TileSource:
     def index(self, kind):
         """The :class:`~mpidomain.credit.files.FileIndex` of field ``kind``."""
         return dict(self.files)[kind]
-
-
-def tile_bounds(manager, shape):
-    """This rank's ([row0, row1), [col0, col1)) of a ``shape`` (lat, lon) grid in ``manager``'s layout; local."""
-    if manager is None:
-        return (0, shape[0]), (0, shape[1])
-    grid = manager.domain_shape if manager.tiled else (manager.domain_parallel_size, 1)
-    coords = manager.domain_coords if manager.tiled else (manager.domain_coords[0], 0)
-    bounds = []
-    for extent, parts, index in zip(shape, grid, coords):
-        counts, offsets = balanced_split(extent, parts)
-        bounds.append((offsets[index], offsets[index] + counts[index]))
-    return tuple(bounds)
 
 
 def source_clock(data):
@@ -163,11 +150,15 @@ def _check_file(data, kind, path, variables, times, reference, engine):
         return grid
 
 
-def _check_data(blocks, engine):
-    """Check every file the ``blocks`` (DataSettings) read; return (file indices per block, grid)."""
+def _check_data(blocks, engine, needed=None):
+    """Check every file the ``blocks`` (DataSettings) read; return (file indices per block, grid).
+
+    ``needed``: per block, ``{field kind: the times read}`` (a DatetimeIndex; None for statics) instead of
+    every time the block's training clock reads."""
     reference, indices = None, []
-    for where, data in zip(("data", "validation_data"), blocks):
-        if not len(source_clock(data)):
+    for number, (where, data) in enumerate(zip(("data", "validation_data"), blocks)):
+        reads = None if needed is None else needed[number]
+        if reads is None and not len(source_clock(data)):
             raise ValueError(f"{where}: no init time between start_datetime {data.start} (plus history_len - 1 = "
                              f"{data.history_len - 1} steps) and end_datetime {data.end} (minus forecast_len = "
                              f"{data.forecast_len} steps of {data.timestep}); widen the date range")
@@ -177,7 +168,8 @@ def _check_data(blocks, engine):
                 files = index_files(field.path, field.time_format)
             except ValueError as error:
                 raise ValueError(f"data.source.{data.source}.variables.{field.kind}.path: {error}") from None
-            times = _times_needed(data, field.kind)
+            times = _times_needed(data, field.kind) if reads is None else \
+                (None if field.kind == "static" else pd.DatetimeIndex(reads.get(field.kind, [])))
             by_file = OrderedDict()
             if times is None:
                 by_file[files.paths()[0]] = None
@@ -199,19 +191,20 @@ def _check_data(blocks, engine):
     return tuple(indices), reference[2]
 
 
-def plan_source(comm, data_blocks, manager, model_shape=None):
+def plan_source(comm, data_blocks, manager, model_shape=None, needed=None):
     """Check the data of ``data_blocks`` (DataSettings: training, validation) and plan this rank's reads.
 
     Collective over ``comm`` (the job's ranks): world rank 0 indexes the files and opens each one's metadata,
     every rank gets the verdict. Returns one :class:`TileSource` per block, for this rank's tile of
     ``manager``'s layout. A problem raises :class:`UsageError` alike on every rank, naming the file, the
     variable and the time; so does a grid other than ``model_shape`` (the model's image height and width).
+    ``needed`` (a rollout's reads): per block, ``{field kind: times}`` checked instead of the training clock's.
     """
     outcome = None
     if comm.Get_rank() == 0:
         try:
             engine = data_blocks[0].engine
-            indices, grid = _check_data(data_blocks, engine)
+            indices, grid = _check_data(data_blocks, engine, needed)
             dims, shape = grid[0], grid[1]
             if model_shape is not None and tuple(model_shape) != tuple(shape):
                 raise ValueError(f"the data's grid is {shape[0]} x {shape[1]} but model.image_height x image_width "
@@ -224,7 +217,7 @@ def plan_source(comm, data_blocks, manager, model_shape=None):
     if outcome[0] == "error":
         raise raised_alike(UsageError(outcome[1]))
     _, indices, dims, shape, latitude, longitude = outcome
-    rows, columns = tile_bounds(manager, shape)
+    rows, columns = ((r.start, r.stop) for r in tile_extent(manager, shape))
     return tuple(TileSource(data, files, data.levels, tuple(shape), rows, columns, dims[0], dims[1], latitude,
                             longitude) for data, files in zip(data_blocks, indices))
 

@@ -135,6 +135,9 @@ def _timestamp(value, key):
 
 
 def _duration(value, key):
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        raise _bad(key, value, "is a bare number (pandas, so CREDIT, reads it as nanoseconds); give a duration such "
+                               "as '24h' or '1d'")
     if isinstance(value, str):  # CREDIT's configs write days as "1d", which pandas is retiring for "1D"
         value = re.sub(r"(?<=\d)d$", "D", value.strip())
     try:

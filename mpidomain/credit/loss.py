@@ -18,6 +18,7 @@ import torch
 
 from ..manager import library_comm
 from ..reduce import reduce_array
+from ..nn.ops import sum_partials
 
 __all__ = ["TileLoss", "TileMetrics"]
 
@@ -29,26 +30,13 @@ def _rows(weights, rows):
     return weights.reshape(-1)[rows[0]:rows[1]].reshape(1, 1, 1, -1, 1).float()
 
 
-class _PartialSums(torch.autograd.Function):
-    """All-reduce (sum) forward, identity backward: partial sums every rank turns into the same loss."""
-
-    @staticmethod
-    def forward(ctx, partial, comm):
-        return reduce_array(partial.detach(), "sum", comm)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
 def _summed(partials, manager, grad):
     """Sum a float64 vector over the domain group (identity backward when ``grad``)."""
     if manager is None:
         return partials
-    comm = library_comm(manager, "domain")
     if grad:
-        return _PartialSums.apply(partials, comm)
-    return reduce_array(partials, "sum", comm)
+        return sum_partials(partials, manager)
+    return reduce_array(partials, "sum", library_comm(manager, "domain"))
 
 
 class TileLoss:

@@ -7,16 +7,15 @@ both ways). :func:`training_wrappers` adds what ``trainer.compile``, ``activatio
 ``amp`` ask for.
 """
 
-import contextlib
 import copy
 
 import torch
 
 from ..command import UsageError
 from ..models import credit_crossformer_module
-from ..nn import convert_to_domain_parallel
+from ..nn import TrainingOptions, convert_to_domain_parallel, prepare_training
 
-__all__ = ["build_model", "training_wrappers", "unwrapped"]
+__all__ = ["build_model", "training_options", "training_wrappers", "unwrapped"]
 
 
 def build_model(conf, manager, device):
@@ -46,31 +45,34 @@ def build_model(conf, manager, device):
 
 
 def unwrapped(model):
-    """The model under ``torch.compile``'s wrapper (whose state dict keys are the model's)."""
-    return getattr(model, "_orig_mod", model)
+    """The model under the training wrappers (a checkpoint wrapper or ``torch.compile``'s; their state dict keys
+    are the model's)."""
+    for name in ("_checkpoint_wrapped_module", "_orig_mod"):
+        model = getattr(model, name, model)
+    return model
 
 
-def training_wrappers(model, settings, device):
-    """Return ``(model, autocast, scaler)`` for ``trainer.compile``, ``activation_checkpoint`` and ``amp``.
+def training_options(settings, device, amp=None):
+    """Return the :class:`~mpidomain.nn.TrainingOptions` of ``trainer.compile``, ``activation_checkpoint`` and
+    ``amp`` (CREDIT's: float16 with a scaler on CUDA; as CREDIT's ``torch.autocast(device_type="cuda")`` does
+    on a CPU, nothing there), or ``amp="bf16"`` (the command line's ``--amp bf16``: bfloat16 on any device)."""
+    chosen = amp if amp is not None else ("fp16" if settings.amp and device.type == "cuda" else None)
+    return TrainingOptions(compile=settings.compile, activation_checkpoint=settings.activation_checkpoint,
+                           amp=chosen)
+
+
+def training_wrappers(model, settings, device, manager, amp=None):
+    """Return ``(model, autocast, scaler, options)`` for ``trainer.compile``, ``activation_checkpoint`` and
+    ``amp`` (:func:`training_options`), made by :func:`mpidomain.nn.prepare_training`.
 
     ``activation_checkpoint`` wraps the blocks CREDIT's models mark (``_fsdp2_shard``) in non-reentrant
-    checkpointing, as CREDIT's gen2 wrapper does (the recomputation in backward repeats each halo
-    exchange in the same order on every rank); ``compile`` is ``torch.compile``; ``amp`` autocasts to
-    float16 with a ``GradScaler`` on CUDA devices, and, as CREDIT's ``torch.autocast(device_type="cuda")``
-    does on a CPU, changes nothing there. ``autocast()`` returns a fresh context manager. Local.
+    checkpointing, as CREDIT's gen2 wrapper does (the recomputation in backward repeats each halo exchange in
+    the same order on every rank); ``compile`` compiles the model (each checkpointed block, with both);
+    ``autocast()`` returns a fresh context manager; ``scaler`` is the float16 run's
+    :class:`~mpidomain.nn.AgreedGradScaler` (its skip decision the same on every rank), else a disabled
+    ``GradScaler`` (its calls pass through). Local.
     """
-    if settings.activation_checkpoint:
-        from credit.parallel.fsdp2 import _apply_activation_checkpointing
-
-        _apply_activation_checkpointing(model)
-    if settings.compile:
-        model = torch.compile(model)
-    use_amp = settings.amp and device.type == "cuda"
-
-    def autocast():
-        if use_amp:
-            return torch.autocast(device_type="cuda", dtype=torch.float16)
-        return contextlib.nullcontext()
-
-    scaler = torch.amp.GradScaler("cuda", enabled=use_amp)
-    return model, autocast, scaler
+    options = training_options(settings, device, amp)
+    setup = prepare_training(model, options, manager=manager)
+    scaler = setup.scaler if setup.scaler is not None else torch.amp.GradScaler("cuda", enabled=False)
+    return setup.model, setup.autocast, scaler, options

@@ -1,4 +1,5 @@
-"""CREDIT's own ``credit train`` on a config, in a subprocess, with its two 2026.2.0 defects corrected.
+"""CREDIT's own ``credit train`` and ``credit rollout`` on a config, in a subprocess, with its 2026.2.0 defects
+corrected.
 
 The reference a domain-parallel run is compared with: CREDIT's application entry point
 (``credit.applications.train_gen2.main_cli``) in one process on the CPU, float32, one torch
@@ -15,6 +16,12 @@ applied in the subprocess only, make it do what CREDIT intends:
 
 The subprocess records every training loss ``BaseLoss`` returns (per rollout step, grouped by
 optimizer step) and writes them, with the validation losses, to a JSON file.
+
+``credit rollout`` (:func:`run_credit_rollout`: ``credit.applications.rollout_gen2.main`` in one process,
+CPU, float32, one torch thread) needs no patch of its code, only a config that does what CREDIT intends
+(:func:`credit_rollout_config`): the second defect's correction as above, and ``inference.postblocks``
+without the blocks that reconstruct and un-normalise the target twin (``in_key: y``), which a forecast has
+no target for (CREDIT's own example config fails there with ``KeyError: 'y'``).
 """
 
 import copy
@@ -23,7 +30,8 @@ import os
 import subprocess
 import sys
 
-__all__ = ["credit_config", "run_credit_train", "CREDIT_DEFECTS"]
+__all__ = ["credit_config", "run_credit_train", "credit_rollout_config", "run_credit_rollout", "credit_checkpoint",
+           "CREDIT_DEFECTS"]
 
 CREDIT_DEFECTS = (
     "loss type base with forecast_len > 1: the prediction is detached before the loss reads it; the reference "
@@ -60,6 +68,7 @@ def credit_config(conf, folder):
     from credit.cli._convert import _build_bridgescaler_jsons
 
     conf = copy.deepcopy(conf)
+    os.makedirs(folder, exist_ok=True)
     source_name, source = next(iter(conf["data"]["source"].items()))
     per_step = dict((conf.get("preblocks") or {}).get("per_step") or {})
     converted, post_json = {}, None
@@ -85,6 +94,86 @@ def credit_config(conf, folder):
                     "scaler_path": post_json, "variables": [], "method": "inverse_transform", "key": key}}
         conf.setdefault("postblocks", {})["per_step"] = post
     return conf
+
+
+def credit_rollout_config(conf, folder):
+    """Return ``conf`` as CREDIT 2026.2.0's ``credit rollout`` needs it to forecast as intended; write its scaler
+    files in ``folder``.
+
+    :func:`credit_config`'s conversion, then ``inference.postblocks`` (unless the config has its own): the
+    per-step postblocks without those of the target twin (a ``reconstruct`` with ``in_key: y`` and the blocks
+    that act on its ``out_key``). Local; needs CREDIT and bridgescaler.
+    """
+    conf = credit_config(conf, folder)
+    inference = conf.setdefault("inference", {})
+    if inference.get("postblocks") is None:
+        per_step = (conf.get("postblocks") or {}).get("per_step") or {}
+        twins = {(b.get("args") or {}).get("out_key", "y_processed") for b in per_step.values()
+                 if isinstance(b, dict) and b.get("type") == "reconstruct" and (b.get("args") or {}).get("in_key") == "y"}
+        kept = {name: block for name, block in per_step.items()
+                if not (block.get("type") == "reconstruct" and (block.get("args") or {}).get("in_key") == "y")
+                and (block.get("args") or {}).get("key") not in twins}
+        inference["postblocks"] = {"per_step": kept}
+    return conf
+
+
+def credit_checkpoint(conf, path, warmup=2, seed=5):
+    """Write a checkpoint of ``conf``'s model in CREDIT's layout (``epoch``, ``model_state_dict``) to ``path``.
+
+    CREDIT's ``load_model(conf)`` after ``seed_everything(conf["seed"])``, as its trainer leaves the model after
+    ``warmup`` steps' forwards in training mode (on seeded random inputs of the config's channels): the
+    spectral norm's power iterations have run (an untrained model's first estimate of the largest singular
+    values is far off, and its forecasts reach 1e18). Local; needs CREDIT.
+    """
+    import torch
+    from credit.models import load_model
+    from credit.seed import seed_everything
+
+    from ..models import credit_crossformer_module
+
+    credit_crossformer_module()  # credit.postblock.gen1 (torchvision) replaced where it cannot import
+    conf = copy.deepcopy(conf)
+    conf["model"].pop("post_conf", None)
+    seed_everything(conf.get("seed", 42))
+    model = load_model(conf)
+    model_conf = conf["model"]
+    channels = (model_conf["channels"] * model_conf["levels"] + model_conf["surface_channels"]
+                + model_conf.get("input_only_channels", 0))
+    shape = (1, channels, model_conf.get("frames", 1), model_conf["image_height"], model_conf["image_width"])
+    generator = torch.Generator().manual_seed(seed)
+    model.train()
+    with torch.no_grad():
+        for _ in range(warmup):
+            model(torch.randn(shape, generator=generator))
+    torch.save({"epoch": 0, "model_state_dict": model.state_dict()}, path)
+
+
+def run_credit_rollout(config, *, timeout=900, python=sys.executable):
+    """Forecast with CREDIT's ``credit rollout`` on the config file ``config`` in a subprocess (CPU, one process).
+
+    The config must be one CREDIT runs as intended (:func:`credit_rollout_config`). Returns ``{"returncode":
+    int, "output": str}``; the files go where the config's ``inference.save_forecast`` says. Local; call on one
+    rank.
+    """
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {"PYTHONPATH": os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH")) if p)}
+    program = [python, "-m", "mpidomain.credit.reference", "rollout", config]
+    done = subprocess.run(program, env=_clean_environment(env), capture_output=True, text=True, timeout=timeout)
+    return {"returncode": done.returncode, "output": (done.stdout + done.stderr)[-20000:]}
+
+
+def _rollout_main(config):
+    """CREDIT's ``credit rollout -c config -p 1`` in this process, the torchvision stand-in installed."""
+    import torch
+
+    torch.set_num_threads(1)
+    from ..models import credit_crossformer_module
+
+    credit_crossformer_module()  # credit.postblock.gen1 (torchvision) replaced where it cannot import
+    from credit.applications.rollout_gen2 import main
+
+    sys.argv = ["credit-rollout", "-c", config, "-p", "1"]
+    main()
 
 
 def _clean_environment(extra=None):
@@ -196,5 +285,8 @@ def _main(argv):
                 json.dump({"steps": steps, "valid": record["valid"]}, file)
 
 
-if __name__ == "__main__":
-    _main(sys.argv[1:])
+if __name__ == "__main__":  # spawned helpers (credit rollout's pool) import this module as __mp_main__
+    if sys.argv[1:2] == ["rollout"]:
+        _rollout_main(sys.argv[2])
+    else:
+        _main(sys.argv[1:])

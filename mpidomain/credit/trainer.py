@@ -38,7 +38,7 @@ from .dataset import CreditTileDataset, plan_source, source_clock
 from .loss import TileLoss, TileMetrics
 from .model import build_model, training_wrappers, unwrapped
 
-__all__ = ["TrainOptions", "train"]
+__all__ = ["TrainOptions", "train", "assemble_inputs"]
 
 DEFAULT_DISPLAY_METRICS = ("rmse", "r2score", "bias")
 _COLUMN_ORDER = ["index", "epoch", "train_history_len", "train_forecast_len", "valid_history_len",
@@ -58,6 +58,7 @@ class TrainOptions:
     stop_after: Optional[int] = None        # stop after this optimizer step with a numbered checkpoint
     config_path: Optional[str] = None       # copied to save_loc/model.yml, as credit train does
     progress: bool = True
+    amp: Optional[str] = None               # "bf16": autocast to bfloat16 (overrides trainer.amp)
 
 
 class _Skip(torch.utils.data.Sampler):
@@ -77,6 +78,28 @@ class _Skip(torch.utils.data.Sampler):
 
     def set_epoch(self, epoch):
         self.sampler.set_epoch(epoch)
+
+
+def assemble_inputs(ic_raw, prediction, current, history_len):
+    """Return the raw inputs of rollout step ``t + 1``, as CREDIT's ``assemble_rollout_batch`` builds them.
+
+    Prognostics from ``prediction`` (step ``t``'s ``y_processed``, physical units), dynamic forcing from
+    ``current`` (the loader batch of step ``t + 1``), the rest (statics) from the first step's raw input
+    ``ic_raw`` (its newest time with a history); in ``ic_raw``'s key order; diagnostics are not inputs. Local.
+    """
+    def newest(tensor):
+        return tensor[:, :, -1:] if history_len > 1 and tensor.dim() >= 3 and tensor.shape[2] > 1 else tensor
+
+    assembled = {}
+    for key, tensor in ic_raw.items():
+        kind = key.split("/")[1]
+        if kind in ("prognostic", "diagnostic"):
+            assembled[key] = prediction[key] if key in prediction else newest(tensor)
+        elif kind == "dynamic_forcing":
+            assembled[key] = current[key] if key in current else newest(tensor)
+        else:
+            assembled[key] = newest(tensor)
+    return assembled
 
 
 def _loader(dataset, batch, forecast_len, settings, replicas, rank, shuffle, workers):
@@ -150,7 +173,8 @@ class _Run:
         seed_everything(settings.seed)  # every rank builds the same weights, those of credit train
         model = agreed(world, "credit train: building the model",
                        lambda: build_model(settings.conf, self.manager, self.device))
-        self.model, self.autocast, self.scaler = training_wrappers(model, settings, self.device)
+        self.model, self.autocast, self.scaler, self.stack = training_wrappers(model, settings, self.device,
+                                                                               self.manager, self.options.amp)
         seed_everything(settings.seed + self.manager.dp_rank)  # per data-parallel group, as credit train
         self.loss = agreed(world, "credit train: the loss", lambda: TileLoss(
             settings.conf, self.manager, self.rows, self.train_plan.shape[0]))
@@ -316,25 +340,6 @@ class _Run:
             return None
         return next(p for p in self.world.allgather(problem) if p is not None)
 
-    @staticmethod
-    def _assemble(ic_raw, prediction, current, history_len):
-        """CREDIT's ``assemble_rollout_batch``: prognostics from the prediction, dynamic forcing from ``current``,
-        the rest (statics) from the first step's raw input (its newest time with a history); in the first
-        step's key order."""
-        def newest(tensor):
-            return tensor[:, :, -1:] if history_len > 1 and tensor.dim() >= 3 and tensor.shape[2] > 1 else tensor
-
-        assembled = {}
-        for key, tensor in ic_raw.items():
-            kind = key.split("/")[1]
-            if kind in ("prognostic", "diagnostic"):
-                assembled[key] = prediction[key] if key in prediction else newest(tensor)
-            elif kind == "dynamic_forcing":
-                assembled[key] = current[key] if key in current else newest(tensor)
-            else:
-                assembled[key] = newest(tensor)
-        return assembled
-
     def _step_input(self, t, batch, rollout, history_len):
         """The normalised ``(x, y)`` of rollout step ``t`` from loader ``batch``; ``rollout`` carries the first
         step's raw input, the previous prediction and the history window between steps."""
@@ -345,7 +350,7 @@ class _Run:
             x, y = self.blocks.pre(rollout["ic_raw"], targets)
             rollout["history"] = x
             return x, y
-        inputs = self._assemble(rollout["ic_raw"], rollout["prediction"], self._to_device(batch["input"][source]),
+        inputs = assemble_inputs(rollout["ic_raw"], rollout["prediction"], self._to_device(batch["input"][source]),
                                 history_len)
         x, y = self.blocks.pre(inputs, targets)
         if history_len > 1:  # slide the window: drop the oldest time, append the newest
@@ -562,8 +567,8 @@ class _Run:
         """A numbered checkpoint after the current step, ``epoch_step`` steps into ``epoch`` (after its last step,
         a resume runs the epoch's end: validation, logs, ``checkpoint.pt``)."""
         state = self._state(epoch, epoch_step, results)
+        self._flush_steps(steps_log)  # before the save's collective: when it returns, every rank sees the rows
         path = step_folder(self.settings.save_loc, self.options.keep).save(self.world, state, self.step)
-        self._flush_steps(steps_log)
         self.say(f"checkpoint after step {self.step}: {path}")
         return path
 
@@ -718,8 +723,8 @@ def train(settings, options, manager, say=print):
                         writer.add_scalar(tag, values[-1], epoch)
                 writer.flush()
             state = run._state(epoch + 1, 0, None)
+            run._flush_steps(steps_log)  # before the save's collective: when it returns, every rank sees the rows
             files.save(state, run.ema.state_dict() if run.ema is not None else None, epoch, settings.save_every_epoch)
-            run._flush_steps(steps_log)
             say_epoch = (f"epoch {epoch}: train_loss {run.history['train_loss'][-1]:.6g}"
                          + (f", valid_loss {run.history['valid_loss'][-1]:.6g}" if "valid_loss" in run.history
                             and not settings.skip_validation else "")
