@@ -104,6 +104,7 @@ def test_norm_statistics_in_float32_round_once(world, norm):
     assert torch.equal(got, under)
 
 
+@pytest.mark.slow  # compiles
 def test_compiled_under_autocast_equals_eager_under_autocast(world):
     """prepare_training(compile=True, amp="bf16") (aot_eager) gives eager autocast's output and gradients."""
     with DomainParallelManager(world.size, world.size) as manager:

@@ -106,6 +106,7 @@ def test_recomputation_exchanges_again_and_saves_activations(world):
     assert saved * 4 < plain_saved, (saved, plain_saved)
 
 
+@pytest.mark.slow  # compiles
 def test_prepare_training_checkpoints_the_whole_model_and_compiles_inside(world):
     """prepare_training(activation_checkpoint=True) on a model CREDIT marks nothing in: the whole model
     checkpointed; with compile, compiled inside the checkpoint. Both equal eager (float64); the state_dict

@@ -16,6 +16,7 @@ import copy
 import pytest
 
 torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.slow  # compiling takes seconds to minutes per case: the full suite's, not the quick loop's
 nn = torch.nn
 
 from mpidomain import DomainParallelManager, shard_tensor  # noqa: E402

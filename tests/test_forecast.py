@@ -141,6 +141,7 @@ def test_resume_auto_takes_the_newest_complete_checkpoint(world, tmp_path, fresh
         assert np.array_equal(resumed[1][name].values, whole[1][name].values), name
 
 
+@pytest.mark.slow  # compiles
 def test_the_training_stack_trains_as_eager(world, tmp_path, fresh_manager):
     """--compile with --activation-checkpoint gives the eager run's losses and forecast (float64; compiled with
     aot_eager, the graph the library's operators make, without Inductor's kernels); --amp bf16 trains within
