@@ -92,17 +92,13 @@ def pytest_runtest_call(item):
 
 @pytest.fixture(autouse=True)
 def _torch_deterministic_mode():
-    """Leave torch's deterministic-algorithms mode as the test found it: CREDIT's ``seed_everything`` (which
-    credit train and rollout call, in process in some tests) turns it on for the whole process, and it changes
-    which kernels later tests run (and what they save for backward)."""
-    torch = sys.modules.get("torch")
-    before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()) \
-        if torch is not None else (False, False)
+    """Leave torch's deterministic-algorithms mode off after every test, as a fresh process has it: CREDIT's
+    ``seed_everything`` (which credit train and rollout call in process, in tests and in session fixtures) turns it
+    on for the whole process, and it changes which kernels later tests run (and what they save for backward)."""
     yield
     torch = sys.modules.get("torch")
-    if torch is not None and (torch.are_deterministic_algorithms_enabled(),
-                              torch.is_deterministic_algorithms_warn_only_enabled()) != before:
-        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+    if torch is not None and torch.are_deterministic_algorithms_enabled():
+        torch.use_deterministic_algorithms(False)
 
 
 @pytest.fixture
