@@ -51,7 +51,7 @@ from ..command import UsageError
 from ..layout.tiles import balanced_split
 from ..manager import library_comm
 
-__all__ = ["OutputVariable", "OutputFile", "ForecastWriter", "forecast_files", "load_metadata", "tile_extent",
+__all__ = ["OutputVariable", "OutputFile", "ForecastWriter", "forecast_files", "load_metadata", "tile_extent", "tile_values",
            "GEN1_NAMES", "PARTIAL"]
 
 #: The ERA5 names gen2 configs use, and the names CREDIT's ``metadata/era5.yaml`` gives their attributes under.
@@ -317,19 +317,19 @@ def _netcdf_order(plan, steps_in_file):
     return single if steps_in_file == 1 else [v.name for v in plan.variables] + coordinates
 
 
-def _values(prediction, channels):
-    """This rank's tile as a (C, h, w) NumPy array (batch member 0), or raise."""
-    if hasattr(prediction, "detach") and hasattr(prediction, "cpu"):
-        prediction = prediction.detach().cpu().numpy()
-    values = np.asarray(prediction)
+def tile_values(array, channels, call="ForecastWriter.write", what="prediction"):
+    """``array`` (torch or NumPy; (C, h, w), (B, C, h, w) or (B, C, 1, h, w)) as this rank's (C, h, w) NumPy tile
+    (batch member 0); a ValueError naming ``call`` and ``what`` for another shape. Local."""
+    if hasattr(array, "detach") and hasattr(array, "cpu"):
+        array = array.detach().cpu().numpy()
+    values = np.asarray(array)
     if values.ndim == 5 and values.shape[2] == 1:
         values = values[0, :, 0]
     elif values.ndim == 4:
         values = values[0]
     if values.ndim != 3 or values.shape[0] != channels:
-        raise ValueError(f"ForecastWriter.write: prediction must be this rank's tile of the target layout's "
-                         f"{channels} channels, (C, h, w), (B, C, h, w) or (B, C, 1, h, w), got shape "
-                         f"{tuple(np.shape(prediction))}")
+        raise ValueError(f"{call}: {what} must be this rank's tile of the target layout's {channels} channels, "
+                         f"(C, h, w), (B, C, h, w) or (B, C, 1, h, w), got shape {tuple(np.shape(array))}")
     if values.dtype.kind != "f":
         raise TypeError(f"ForecastWriter.write: prediction must be floating point, got {values.dtype}")
     return values
@@ -472,7 +472,7 @@ class ForecastWriter:
         """
         error = values = target = None
         try:
-            values = _values(prediction, self._plan.channels)
+            values = tile_values(prediction, self._plan.channels)
             expected = (len(self._rows), len(self._columns))
             if values.shape[1:] != expected:
                 raise ValueError(f"ForecastWriter.write: this rank's tile is {expected[0]} x {expected[1]} (rows x "

@@ -34,7 +34,7 @@ from .._agreement import agree
 from .._current import require_manager
 from .._errors import digest
 from ..manager import library_comm
-from .output import OutputVariable, tile_extent
+from .output import OutputVariable, tile_extent, tile_values
 
 __all__ = ["ForecastScores", "ScoreTable", "ScoreRow", "ClimatologyMean", "read_climatology", "latitude_weights",
            "ACC_EPSILON"]
@@ -95,17 +95,8 @@ class ScoreTable:
 
 
 def _values(array, channels, what):
-    """``array`` (torch or NumPy; (C, h, w), (B, C, h, w) or (B, C, 1, h, w)) as a (C, h, w) NumPy array."""
-    if hasattr(array, "detach") and hasattr(array, "cpu"):
-        array = array.detach().cpu().numpy()
-    values = np.asarray(array)
-    if values.ndim == 5 and values.shape[2] == 1:
-        values = values[0, :, 0]
-    elif values.ndim == 4:
-        values = values[0]
-    if values.ndim != 3 or values.shape[0] != channels:
-        raise ValueError(f"ForecastScores.add: {what} must be this rank's tile of the target layout's {channels} "
-                         f"channels, (C, h, w), (B, C, h, w) or (B, C, 1, h, w), got shape {np.shape(array)}")
+    """``array`` as a floating (C, h, w) NumPy tile (:func:`~.output.tile_values`), or raise."""
+    values = tile_values(array, channels, "ForecastScores.add", what)
     if values.dtype.kind != "f":
         raise TypeError(f"ForecastScores.add: {what} must be floating point, got {values.dtype}")
     return values
