@@ -20,6 +20,8 @@ line on every rank instead of a traceback or a hang.
 
 import importlib
 import itertools
+import os
+import socket
 import sys
 import time
 import traceback
@@ -30,7 +32,8 @@ from ._agreement import agree
 from ._errors import describe_error, raised_alike, raised_alike_on
 from ._mpi import mpi
 
-__all__ = ["Requirement", "UsageError", "agreed", "decided", "positive_int", "require", "run_command", "world"]
+__all__ = ["Requirement", "UsageError", "agreed", "decided", "positive_int", "probe_writable", "require", "run_command",
+           "world"]
 
 #: How long a rank whose command failed, with no agreement step settling it, waits for the other ranks to fail too
 #: before it aborts the job (seconds); longer for a :class:`UsageError`, which every rank raises from the same inputs.
@@ -247,3 +250,13 @@ def positive_int(text):
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
     return value
+
+
+def probe_writable(folder):
+    """Create and remove a file in the existing ``folder``; raise OSError where it cannot be written. Local: call
+    it inside :func:`agreed` or :func:`decided`. The file's name holds the host and process, so ranks of several
+    nodes may probe one shared folder at once."""
+    probe = os.path.join(folder, f".mpidomain-write-test-{socket.gethostname()}-{os.getpid()}")
+    with open(probe, "wb") as file:
+        file.write(b"ok")
+    os.remove(probe)

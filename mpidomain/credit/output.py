@@ -47,7 +47,7 @@ from .._current import require_manager
 from .._datatypes import subarray
 from .._errors import digest
 from .._waits import wait_all
-from ..command import UsageError
+from ..command import UsageError, probe_writable
 from ..layout.tiles import balanced_split
 from ..manager import library_comm
 
@@ -426,10 +426,7 @@ class ForecastWriter:
                            for r in range(self._size)]
             try:
                 os.makedirs(self._save_dir, exist_ok=True)
-                probe = os.path.join(self._save_dir, f".mpidomain-probe-{os.getpid()}-{self._rank}")
-                with open(probe, "w"):
-                    pass
-                os.remove(probe)
+                probe_writable(self._save_dir)
             except OSError as exc:
                 raise UsageError(f"inference.save_forecast: {self._save_dir!r} cannot be written ({exc}); give a "
                                  "folder this job can write") from None

@@ -29,7 +29,7 @@ import torch
 
 from .._agreement import agree
 from .._errors import raised_alike
-from ..command import UsageError, agreed, decided
+from ..command import UsageError, agreed, decided, probe_writable
 from ..manager import library_comm
 from .blocks import Blocks, channel_layouts
 from .config import check_blocks, read_data
@@ -433,10 +433,7 @@ def _probe_folder(path):
     folder = os.path.dirname(os.path.abspath(path))
     try:
         os.makedirs(folder, exist_ok=True)
-        probe = os.path.join(folder, f".mpidomain-probe-{os.getpid()}")
-        with open(probe, "w"):
-            pass
-        os.remove(probe)
+        probe_writable(folder)
     except OSError as error:
         raise UsageError(f"--scores {path}: its folder cannot be written ({error.strerror or error}); give a file "
                          "in a folder this job can write") from None

@@ -27,7 +27,7 @@ import torch
 
 from .._agreement import agree
 from .._errors import raised_alike
-from ..command import UsageError, agreed
+from ..command import UsageError, agreed, probe_writable
 from ..manager import library_comm
 from ..nn import allreduce_gradients
 from ..preemption import StopSignals
@@ -150,10 +150,7 @@ class _Run:
             if self.rank == 0:
                 try:
                     os.makedirs(settings.save_loc, exist_ok=True)
-                    probe = os.path.join(settings.save_loc, f".mpidomain-write-test-{os.getpid()}")
-                    with open(probe, "wb") as file:
-                        file.write(b"ok")
-                    os.remove(probe)
+                    probe_writable(settings.save_loc)
                 except OSError as error:
                     raise UsageError(f"save_loc = {settings.save_loc!r}: cannot write there ({type(error).__name__}: "
                                      f"{error.strerror or error}); choose a folder this job can write") from None

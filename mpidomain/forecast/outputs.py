@@ -3,17 +3,9 @@ and no earlier run's checkpoints overwritten by a fresh one."""
 
 import os
 
-from ..command import UsageError, agreed, decided
+from ..command import UsageError, agreed, decided, probe_writable
 
-__all__ = ["prepare_outputs", "probe_writable"]
-
-
-def probe_writable(folder):
-    """Raise OSError unless a file can be created in ``folder``; local."""
-    probe = os.path.join(folder, f".mpidomain-write-test-{os.getpid()}")
-    with open(probe, "wb") as file:
-        file.write(b"ok")
-    os.remove(probe)
+__all__ = ["prepare_outputs"]
 
 
 def _cannot_write(option, value, where, error):
