@@ -24,7 +24,7 @@ def test_under_srun_a_kill_and_the_schedulers_signal(world, tmp_path, reference)
         killed_outcome = outcome(str(tmp_path / "killed")) if rerun[0] == 0 else None
         # The scheduler's own warning: srun sends SIGUSR1 to every task before the time limit.
         signalled = subprocess.run(
-            ["srun", "-n", "4", "-K", "--mpi=pmi2", "--time=2", "--signal=USR1@100", sys.executable, "-m", "mpidomain",
+            ["srun", "-n", "4", "-K", "--mpi=pmi2", "--time=1", "--signal=USR1@50", sys.executable, "-m", "mpidomain",
              "forecast", "--model", "cnn", "--grid", "16x32", "--times", "12", "--steps", "100000", "--rollout", "3",
              "--out", str(tmp_path / "signalled")], env=launcher_env(), capture_output=True, text=True, timeout=180,
             cwd=REPO)
