@@ -177,7 +177,7 @@ class DomainParallelManager:
         self._dp_rank, self._tp_rank, self._domain_rank = self.mesh.coords
 
         # One Split per axis, coloured by the index of this rank's group along it
-        # (scripts/bench_manager.py measures it against Create_cart and Sub).
+        # (scripts/bench/bench_manager.py measures it against Create_cart and Sub).
         self._domain_comm, self._tp_comm, self._dp_comm = (
             self._comm.Split(self.mesh.group_index(axis), rank) for axis in ("domain", "tp", "dp"))
         self._domain_comm.Set_name(f"mpidomain.domain[{self._domain_group_idx}]")

@@ -144,7 +144,7 @@ def _completed(command, env, timeout):
 SLURM = os.environ.get("MPIDOMAIN_TEST_SLURM") == "1"
 OPENMPI_PYTHON = os.environ.get("MPIDOMAIN_TEST_OPENMPI_PYTHON", "")
 needs_slurm = pytest.mark.skipif(
-    not SLURM, reason="needs a Slurm cluster: set MPIDOMAIN_TEST_SLURM=1 (scripts/ci_slurm_up.sh starts one)"
+    not SLURM, reason="needs a Slurm cluster: set MPIDOMAIN_TEST_SLURM=1 (scripts/ci/ci_slurm_up.sh starts one)"
 )
 needs_openmpi = pytest.mark.skipif(
     not OPENMPI_PYTHON,

@@ -1,4 +1,4 @@
-"""``scripts/bench_alltoall.py``: the window attention's all-to-all on 2 x 2 tiles, both dims at once against one
+"""``scripts/bench/bench_alltoall.py``: the window attention's all-to-all on 2 x 2 tiles, both dims at once against one
 dim after the other (exact byte counts, checked against CommStats of a training step)."""
 
 import os
@@ -9,7 +9,7 @@ from mpitest import REPO, run_mpi, share
 
 pytestmark = [pytest.mark.bench, pytest.mark.mpi_job]
 
-SCRIPT = os.path.join(REPO, "scripts", "bench_alltoall.py")
+SCRIPT = os.path.join(REPO, "scripts", "bench", "bench_alltoall.py")
 
 
 def test_bench_alltoall_prints_its_table(world):

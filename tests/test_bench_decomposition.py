@@ -1,4 +1,4 @@
-"""scripts/bench_decomposition.py: its reference windows, and a small 4-rank run printing its four rows."""
+"""scripts/bench/bench_decomposition.py: its reference windows, and a small 4-rank run printing its four rows."""
 
 import importlib.util
 import os
@@ -8,7 +8,7 @@ import pytest
 
 from mpitest import REPO, run_mpi
 
-SCRIPT = os.path.join(REPO, "scripts", "bench_decomposition.py")
+SCRIPT = os.path.join(REPO, "scripts", "bench", "bench_decomposition.py")
 NAMES = ["1-D slabs", "1-D slabs, earth", "2-D tiles", "2-D tiles, earth"]
 
 

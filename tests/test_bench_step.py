@@ -1,4 +1,4 @@
-"""``scripts/bench_step.py`` runs a training step at D=1 and D=2 and prints its table (times are not asserted)."""
+"""``scripts/bench/bench_step.py`` runs a training step at D=1 and D=2 and prints its table (times are not asserted)."""
 
 import os
 
@@ -8,7 +8,7 @@ from mpitest import REPO, run_mpi, share
 
 pytestmark = [pytest.mark.bench, pytest.mark.mpi_job]
 
-SCRIPT = os.path.join(REPO, "scripts", "bench_step.py")
+SCRIPT = os.path.join(REPO, "scripts", "bench", "bench_step.py")
 
 
 def _rows(stdout, model):
@@ -51,7 +51,7 @@ def test_bench_step_projects_bytes(world):
     rows = [line.split() for line in stdout.splitlines() if line.split() and line.split()[0].isdigit()]
     assert [int(r[0]) for r in rows] == [2, 4, 8, 16, 32, 64] * 2, stdout
     assert all(r[8].endswith("%") for r in rows), stdout
-    # at D=2, 1 degree: the bytes CommStats counts (scripts/bench_step.py; tests/test_comm_stats.py checks them)
+    # at D=2, 1 degree: the bytes CommStats counts (scripts/bench/bench_step.py; tests/test_comm_stats.py checks them)
     assert rows[0][1:7] == ["725,408", "544,768", "1,835,008", "0", "1,584", "1,331,496"], stdout
 
 

@@ -12,7 +12,7 @@ pytestmark = [pytest.mark.bench, pytest.mark.mpi_job]
 
 
 def _script(name):
-    return os.path.join(REPO, "scripts", name)
+    return os.path.join(REPO, "scripts", "bench", name)
 
 
 def test_bench_manager_prints_ratios(world):

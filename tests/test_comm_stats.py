@@ -93,11 +93,12 @@ def test_errors_and_one_at_a_time(world):
 
 
 def _bench_step():
-    """``scripts/bench_step.py`` as a module (its projection)."""
+    """``scripts/bench/bench_step.py`` as a module (its projection)."""
     import importlib.util
     import os
 
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "bench_step.py")
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "bench",
+                        "bench_step.py")
     spec = importlib.util.spec_from_file_location("bench_step_for_tests", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

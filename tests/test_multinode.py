@@ -2,7 +2,7 @@
 
 The in-job tests run when the suite's own job spans several hosts (CI: ``srun -N 2``,
 ``srun -N 3 -m arbitrary`` and MPICH's ``mpiexec`` across the network-namespace nodes of
-``scripts/ci_cluster_up.sh``) and skip, alike on every rank, on one host. The fault tests
+``scripts/ci/ci_cluster_up.sh``) and skip, alike on every rank, on one host. The fault tests
 start jobs of their own on that cluster, from one process in the root namespace
 (``MPIDOMAIN_TEST_CLUSTER=1``).
 """
@@ -32,9 +32,9 @@ several_hosts = pytest.mark.skipif(len(set(HOSTS)) == 1, reason="needs a job on 
 CLUSTER = os.environ.get("MPIDOMAIN_TEST_CLUSTER") == "1"
 needs_cluster = pytest.mark.skipif(
     not CLUSTER or WORLD.size > 1,
-    reason="needs the namespace cluster of scripts/ci_cluster_up.sh (MPIDOMAIN_TEST_CLUSTER=1), from one process",
+    reason="needs the namespace cluster of scripts/ci/ci_cluster_up.sh (MPIDOMAIN_TEST_CLUSTER=1), from one process",
 )
-CLUSTER_EXEC = os.path.join(REPO, "scripts", "cluster_exec.sh")
+CLUSTER_EXEC = os.path.join(REPO, "scripts", "ci", "cluster_exec.sh")
 
 
 def _network_bytes():
@@ -232,7 +232,7 @@ def test_a_node_that_loses_its_link_ends_the_job_within_the_timeout():
     finally:
         subprocess.run(["ip", "link", "set", "mpd-v1", "up"], check=True)
         seconds, output = _ended_within(job, 120)
-        subprocess.run(["bash", os.path.join(REPO, "scripts", "ci_cluster_up.sh"), "3"], check=True,
+        subprocess.run(["bash", os.path.join(REPO, "scripts", "ci", "ci_cluster_up.sh"), "3"], check=True,
                        capture_output=True)  # resumes a node Slurm marked down
     assert "waited 5 s" in output, output[-3000:]
     assert job.returncode != 0

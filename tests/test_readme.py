@@ -116,7 +116,7 @@ def test_relative_links_skip_urls_and_code(tmp_path):
 
 
 def _quickstart_script():
-    path = os.path.join(REPO, "scripts", "readme_quickstart.py")
+    path = os.path.join(REPO, "scripts", "ci", "readme_quickstart.py")
     spec = importlib.util.spec_from_file_location("readme_quickstart", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -130,7 +130,7 @@ def test_quickstart_lines_are_the_readmes_and_ci_runs_them(capsys):
     assert len(printed) == 2 and printed[0].endswith(" && mpiexec -n 4 python -m mpidomain check"), printed
     assert "pip install '.[mpich,test]'" in printed[1] and printed[1].endswith(" && mpiexec -n 4 python -m pytest")
     ci = open(os.path.join(REPO, ".ci", "run")).read()
-    assert ci.index("scripts/readme_quickstart.py") < ci.index("python3 -m venv \"$venv\"")
+    assert ci.index("scripts/ci/readme_quickstart.py") < ci.index("python3 -m venv \"$venv\"")
     text = "intro\n## Quickstart\n\nno commands\n\n## Next\n\n```bash\nnot this one\n```\n"
     with pytest.raises(ValueError, match="has no ```bash block"):
         script.quickstart_lines(text)

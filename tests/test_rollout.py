@@ -162,11 +162,11 @@ def test_rollout_saved_bytes_per_rank_are_the_tile_share(world, name):
 @pytest.mark.mpi_job
 @pytest.mark.bench
 def test_rollout_memory_script_patterns_agree(world):
-    """scripts/rollout_memory.py at 2 ranks on a small grid: it prints its table, and the sharded rollout and
+    """scripts/bench/rollout_memory.py at 2 ranks on a small grid: it prints its table, and the sharded rollout and
     CREDIT's pattern (gather, re-shard) give the same forecasts and gradients bit for bit."""
     result = None
     if world.rank == 0:
-        done = run_mpi(2, [os.path.join(REPO, "scripts", "rollout_memory.py"), "--models", "UNet",
+        done = run_mpi(2, [os.path.join(REPO, "scripts", "bench", "rollout_memory.py"), "--models", "UNet",
                            "--unet-grid", "32x64"], timeout=120)
         result = (done.returncode, done.stdout, done.stderr)
     status, stdout, stderr = share(world, result)

@@ -43,7 +43,7 @@ def test_master_address_falls_back_to_hostname(monkeypatch):
 
 
 def test_master_address_from_the_interfaces_where_names_and_routes_fail(monkeypatch):
-    """A cluster node whose name resolves nowhere and that has no default route (scripts/ci_cluster_up.sh's)."""
+    """A cluster node whose name resolves nowhere and that has no default route (scripts/ci/ci_cluster_up.sh's)."""
     interfaces = [a for a in torch_bridge._interface_addresses() if not a.startswith("127.")]
     if not interfaces:
         pytest.skip("no interface with a non-loopback IPv4 address")
@@ -431,7 +431,7 @@ def test_default_group_destroyed_only_by_its_creator(world):
 def test_ddp_example_matches_single_process(world):
     pytest.importorskip("mpidomain.nn")
     if world.rank == 0:
-        script = os.path.join(REPO, "scripts", "train_ddp_domain.py")
+        script = os.path.join(REPO, "scripts", "jobs", "train_ddp_domain.py")
         result = run_mpi(4, [script, "--domain-parallel-size", "2", "--steps", "4"], timeout=240)
         assert result.returncode == 0, result.stderr
         steps = [re.fullmatch(r"step (\d+): loss ([\d.]+) \(single process ([\d.]+)\)", line)
@@ -470,7 +470,7 @@ def test_nccl_with_bound_device_where_cuda_exists(world):
 @pytest.mark.mpi_job
 def test_group_creation_benchmark_prints_ratios(world):
     if world.rank == 0:
-        script = os.path.join(REPO, "scripts", "bench_torch_groups.py")
+        script = os.path.join(REPO, "scripts", "bench", "bench_torch_groups.py")
         result = run_mpi(4, [script, "--repeats", "2"], timeout=240)
         assert result.returncode == 0, result.stderr
         lines = result.stdout.splitlines()

@@ -1,7 +1,7 @@
 """Count the bytes a reader takes from a Zarr store, and those a writer puts in it: a store wrapper.
 
 For measuring what :func:`~mpidomain.data.select_tile` reads and
-:func:`~mpidomain.data.write_tile` writes (tests and scripts/bench_io.py):
+:func:`~mpidomain.data.write_tile` writes (tests and scripts/bench/bench_io.py):
 wrap the store, open it with xarray (or pass it to ``write_tile``), read or
 write, look at ``bytes_read`` or ``bytes_written``.
 """

@@ -9,7 +9,7 @@ the domain group, finds the neighbours, and prepares the transfers:
 - host memory (NumPy, CPU Torch): the edge rows are packed into contiguous
   NumPy buffers and sent; large halos are received straight into the padded
   array through MPI subarray datatypes, small ones into contiguous buffers
-  and copied; persistent requests. scripts/bench_halo.py measures the
+  and copied; persistent requests. scripts/bench/bench_halo.py measures the
   alternatives: with MPICH, sending through a datatype costs more than one
   NumPy copy;
 - device memory (CuPy, CUDA Torch): the halos are packed into contiguous
@@ -54,12 +54,12 @@ __all__ = ["HaloPlan", "PadStart"]
 
 # Host halos at least this large arrive straight in the padded array through a subarray datatype;
 # smaller ones in a contiguous buffer, then one copy. With MPICH on shared memory the datatype
-# saves the copy of a 1 MB halo but costs more than copying a 16 KB one (scripts/bench_halo.py).
+# saves the copy of a 1 MB halo but costs more than copying a 16 KB one (scripts/bench/bench_halo.py).
 _IN_PLACE_RECEIVE_BYTES = 256 * 1024
 
 # A host interior is copied into the padded result in pieces of about this size, the halos polled between
 # them (they move only while the ranks poll, so they travel during the copy); host tensors at least this
-# large are copied by torch, smaller ones by NumPy (scripts/bench_halo.py: where the rows of a NumPy and a
+# large are copied by torch, smaller ones by NumPy (scripts/bench/bench_halo.py: where the rows of a NumPy and a
 # torch allocation are aligned differently, torch's copy_ is the faster; NumPy's costs less per call).
 _PIECE_BYTES = 4 << 20
 

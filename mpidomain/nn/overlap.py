@@ -42,7 +42,7 @@ from .rows import Window, ceil_div
 __all__ = ["DEFAULT", "ENVIRONMENT", "overlap_default", "overlapped_rows", "resolve", "set_overlap"]
 
 #: The built-in default when neither :func:`set_overlap` nor ``MPIDOMAIN_OVERLAP`` says
-#: (``scripts/bench_overlap.py``: the converted UNet's training step, with and without).
+#: (``scripts/bench/bench_overlap.py``: the converted UNet's training step, with and without).
 DEFAULT = False
 #: The environment variable that sets the default: ``1`` (on) or ``0`` (off).
 ENVIRONMENT = "MPIDOMAIN_OVERLAP"
