@@ -29,23 +29,85 @@ def pytest_configure(config):
             config.pluginmanager.unregister(reporter)
 
 
-# Kinds of test the developer loop (-m "not slow") leaves out with the ones marked slow (setup.cfg lists them).
+# Kinds of test the quick tier leaves out with the ones marked slow (setup.cfg lists them).
 _SLOW_KINDS = ("mpi_job", "bench", "fuzz")
+# Kinds of test whose outcome does not depend on the world that runs the suite: CI runs them in one pass.
+_ONE_WORLD_KINDS = ("mpi_job",)
+
+
+def pytest_addoption(parser):
+    parser.addoption("--all", action="store_true", dest="mpidomain_all",
+                     help="run the whole suite (the slow tests too: jobs, benchmarks, fuzz, compile); without it and "
+                          "without -m or named tests, pytest runs the quick tier (-m 'not slow')")
+
+
+def _quick_tier(config):
+    """Whether this run is the quick tier: no --all, no -m, no test named on the command line."""
+    return not (config.getoption("mpidomain_all") or config.option.markexpr or config.option.file_or_dir)
+
+
+def pytest_report_header(config):
+    if _quick_tier(config):
+        return "mpidomain: the quick tier (tests marked slow left out); --all runs the whole suite"
+    return None
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m selects
-def pytest_collection_modifyitems(items):
+def pytest_collection_modifyitems(config, items):
     # Static (from the markers alone, and the environment every rank shares), so every rank selects the same tests.
-    fixed_jobs = os.environ.get("MPIDOMAIN_TEST_FIXED_JOBS", "1") != "0"
     for item in items:
-        if item.get_closest_marker("fixed_job"):
-            if not item.get_closest_marker("mpi_job"):
-                item.add_marker(pytest.mark.mpi_job)
-            if not fixed_jobs:
-                item.add_marker(pytest.mark.skip(reason="its jobs have a fixed size: they run in another pass "
-                                                        "(MPIDOMAIN_TEST_FIXED_JOBS=0)"))
         if any(item.get_closest_marker(kind) for kind in _SLOW_KINDS) and not item.get_closest_marker("slow"):
             item.add_marker(pytest.mark.slow)
+        if any(item.get_closest_marker(kind) for kind in _ONE_WORLD_KINDS) and not item.get_closest_marker(
+                "one_world"):
+            item.add_marker(pytest.mark.one_world)
+    _RECORD.collected(config, items)
+    if _quick_tier(config):
+        slow = [item for item in items if item.get_closest_marker("slow")]
+        if slow:
+            config.hook.pytest_deselected(items=slow)
+            items[:] = [item for item in items if not item.get_closest_marker("slow")]
+
+
+class _Record:
+    """What this pass collected and how each selected test ended, written by rank 0 to the file named by
+    MPIDOMAIN_TEST_RECORD (one JSON object a line), for CI's check that every test runs in some pass
+    (scripts/ci/test_coverage.py)."""
+
+    def __init__(self):
+        self.path = os.environ.get("MPIDOMAIN_TEST_RECORD")
+        self.rows = []
+
+    def collected(self, config, items):
+        if self.path:
+            self.rows += [{"test": item.nodeid, "event": "collected"} for item in items]
+
+    def report(self, report):
+        if not self.path:
+            return
+        if report.when == "call" or (report.when == "setup" and not report.passed):
+            row = {"test": report.nodeid, "event": report.outcome}
+            if report.skipped and isinstance(report.longrepr, tuple):
+                row["reason"] = str(report.longrepr[2])
+            self.rows.append(row)
+
+    def write(self):
+        if self.path and WORLD.Get_rank() == 0:
+            import json
+
+            with open(self.path, "a") as file:
+                file.writelines(json.dumps(row) + "\n" for row in self.rows)
+
+
+_RECORD = _Record()
+
+
+def pytest_runtest_logreport(report):
+    _RECORD.report(report)
+
+
+def pytest_sessionfinish(session):
+    _RECORD.write()
 
 
 def _torch_groups_made():

@@ -7,6 +7,8 @@ import pytest
 
 from mpitest import REPO, run_mpi, share
 
+pytestmark = pytest.mark.one_world  # documents and the jobs they run: the same in every world
+
 PAGE = os.path.join(REPO, "docs", "converter-rules.md")
 START, END = "<!-- rules table: mpidomain.nn.rules_table() -->\n", "<!-- end of rules table -->"
 

@@ -512,7 +512,7 @@ def _job_config(case, name, **inference):
     return share(WORLD, path)
 
 
-@pytest.mark.fixed_job
+@pytest.mark.mpi_job
 def test_help_lists_the_rollouts_options():
     from mpitest import run_python
 
@@ -533,7 +533,7 @@ MISSING = [  # (hidden, output format, the package the line names, its install l
 ]
 
 
-@pytest.mark.fixed_job
+@pytest.mark.mpi_job
 def test_a_missing_package_is_one_line_and_exit_2(rollout_case):
     """With a package hidden from a 2-rank job: one line from rank 0 naming the package, what needs it and its
     install line; exit status 2; nothing written."""
@@ -557,7 +557,7 @@ def test_a_missing_package_is_one_line_and_exit_2(rollout_case):
         assert not written
 
 
-@pytest.mark.fixed_job
+@pytest.mark.mpi_job
 def test_a_bad_checkpoint_is_one_line_and_exit_2_and_one_ranks_error_ends_the_job(rollout_case, tmp_path_factory):
     """A checkpoint of another model: one line from rank 0, exit 2, no file. A RuntimeError on rank 1 between two
     steps: that rank's line, the job ended at once on every rank (exit 1), never a hang."""
@@ -589,7 +589,7 @@ def _files(folder):
                   for name in names)
 
 
-@pytest.mark.fixed_job
+@pytest.mark.mpi_job
 @pytest.mark.timeout(900)
 def test_a_rank_killed_in_the_middle_of_a_file_leaves_no_whole_looking_file_and_a_rerun_completes(rollout_case):
     """A 4-rank job (D=4, one netCDF file per forecast: group_by full) with rank 1 SIGKILLed after writing the

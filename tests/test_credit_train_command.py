@@ -14,7 +14,7 @@ import yaml
 from credit_train_support import WORLD, credit_data, credit_reference, step_losses  # noqa: F401
 from mpitest import program_lines, run_mpi, run_python, share
 
-pytestmark = [pytest.mark.mpi_job, pytest.mark.fixed_job, pytest.mark.credit]
+pytestmark = [pytest.mark.mpi_job, pytest.mark.credit]
 COMMAND = ["-m", "mpidomain.credit.command", "train"]
 
 

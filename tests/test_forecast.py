@@ -241,7 +241,7 @@ def test_bad_data_and_checkpoint_raise_on_every_rank(world, tmp_path, fresh_mana
             run_forecast(ForecastSettings(**{**SMALL, "seed": world.rank}), out=lambda line: None)
 
 
-@pytest.mark.fixed_job
+@pytest.mark.mpi_job
 def test_the_command_runs_and_draws(world, tmp_path):
     result = None
     if world.rank == 0:

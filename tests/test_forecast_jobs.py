@@ -1,7 +1,7 @@
 """``python -m mpidomain forecast`` in fresh 4-rank jobs: faults on one rank, kills, the stop signal, missing
 packages, full or read-only output folders, and every option with a bad value.
 
-Each job has a fixed size (4 ranks), so these run once per CI pass set (``fixed_job``). A fault is injected by
+Each job has a fixed size (4 ranks), so these run once in CI (``mpi_job`` implies ``one_world``). A fault is injected by
 ``tests/fault_driver.py`` on one rank at one stage; every rank must end within :data:`ENDS_WITHIN` seconds of it
 (the library's own wait timeout is 600 s), and the rerun with ``--resume auto`` must end as the uninterrupted run
 did: the same losses, and a forecast store equal array for array.
@@ -25,7 +25,7 @@ torch = pytest.importorskip("torch")
 xr = pytest.importorskip("xarray")
 pytest.importorskip("zarr")
 
-pytestmark = pytest.mark.fixed_job
+pytestmark = pytest.mark.mpi_job
 
 ENDS_WITHIN = 20.0  # seconds from the fault until every rank has ended (3 s for a failure alone, then MPI_Abort)
 SMALL = ["--model", "cnn", "--grid", "16x32", "--times", "12", "--steps", "6", "--rollout", "3", "--checkpoint-every",

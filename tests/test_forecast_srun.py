@@ -1,12 +1,15 @@
 """``python -m mpidomain forecast`` under Slurm's srun: a killed task ends the job, the rerun with
-``--resume auto`` completes it, and the scheduler's own warning signal (``srun --signal``) stops it cleanly.
+``--resume auto`` completes it, and the scheduler's warning signal (``scancel --signal=USR1``, sent by the test
+once training has begun) stops it cleanly.
 
 Runs where a Slurm cluster is up (``MPIDOMAIN_TEST_SLURM=1``: CI's srun pass, which runs it once).
 """
 
+import os
 import re
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -16,22 +19,55 @@ from test_forecast_jobs import ENDS_WITHIN, forecast, outcome, reference, same  
 pytestmark = [needs_slurm, needs_pmi2, pytest.mark.mpi_job]
 
 
+def _signalled_when_training(out):
+    """Start the forecast under srun, send SIGUSR1 to the job's tasks with ``scancel --signal`` once rank 0 has
+    finished its first training step (read from its progress bar), and return (status, stdout, stderr).
+
+    The test sends the scheduler's warning itself, at a moment it knows: Slurm's own ``--signal=USR1@T`` arrives
+    on the controller's periodic check, up to a minute late, and raced the time limit."""
+    name = f"mpidomain-signal-{os.getpid()}"
+    job = subprocess.Popen(
+        ["srun", "-n", "4", "-K", "--mpi=pmi2", f"--job-name={name}", "--time=5", sys.executable, "-m", "mpidomain",
+         "forecast", "--model", "cnn", "--grid", "16x32", "--times", "12", "--steps", "100000", "--rollout", "3",
+         "--out", str(out)], env=launcher_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    stderr, first_step = [], threading.Event()
+
+    def read():  # tqdm's bar on stderr: "train:   0%|   | 7/100000 [...]"
+        text = ""
+        while piece := job.stderr.read(64):
+            stderr.append(piece)
+            text = (text + piece)[-4096:]
+            if re.search(r"train:[^|\n\r]*\|[^|]*\|\s*[1-9]\d*/100000", text):
+                first_step.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        if not first_step.wait(120):
+            raise AssertionError("the forecast took no training step in 120 s: " + "".join(stderr)[-3000:])
+        jobs = subprocess.run(["squeue", "-h", "-n", name, "-o", "%i"], capture_output=True, text=True, timeout=30)
+        job_id = jobs.stdout.split()[0]
+        subprocess.run(["scancel", "--signal=USR1", job_id], check=True, timeout=30)
+        stdout = job.stdout.read()
+        job.wait(120)
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait()
+    reader.join(30)
+    return job.returncode, stdout, "".join(stderr)
+
+
 def test_under_srun_a_kill_and_the_schedulers_signal(world, tmp_path, reference):
     result = None
     if world.rank == 0:
         killed = forecast(tmp_path / "killed", fault="kill:step:1:4", launcher="srun")
         rerun = forecast(tmp_path / "killed", "--resume", "auto", launcher="srun")
         killed_outcome = outcome(str(tmp_path / "killed")) if rerun[0] == 0 else None
-        # The scheduler's own warning: srun sends SIGUSR1 to every task before the time limit.
-        signalled = subprocess.run(
-            ["srun", "-n", "4", "-K", "--mpi=pmi2", "--time=1", "--signal=USR1@50", sys.executable, "-m", "mpidomain",
-             "forecast", "--model", "cnn", "--grid", "16x32", "--times", "12", "--steps", "100000", "--rollout", "3",
-             "--out", str(tmp_path / "signalled")], env=launcher_env(), capture_output=True, text=True, timeout=180,
-            cwd=REPO)
-        result = killed, rerun, killed_outcome, (signalled.returncode, signalled.stdout, signalled.stderr)
+        result = killed, rerun, killed_outcome, _signalled_when_training(tmp_path / "signalled")
     killed, rerun, killed_outcome, signalled = share(world, result)
     assert killed[0] != 0 and killed[5] - killed[4] < ENDS_WITHIN, killed[2][-3000:]
     assert rerun[0] == 0 and same(killed_outcome, reference), rerun[2][-3000:]
     status, stdout, stderr = signalled
     assert status == 0, stderr[-3000:]
-    assert re.search(r"^stopped by SIGUSR1 on ranks 0-3 after step \d+: checkpoint", stdout, re.M), stdout
+    assert re.search(r"^stopped by SIGUSR1 on ranks 0-3 after step [1-9]\d*: checkpoint", stdout, re.M), stdout

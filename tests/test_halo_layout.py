@@ -15,6 +15,8 @@ from mpidomain.sharding import balanced_split
 from mpidomain.layout.tiles import TileLayout
 from reference import pad_along
 
+pytestmark = pytest.mark.one_world  # no MPI: the same in every world
+
 
 def slab(shape, dim, h, periodic, counts, rank, tag=0):
     """Rank ``rank``'s layout of slabs of ``counts`` rows along ``dim``."""

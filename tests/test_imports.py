@@ -6,7 +6,11 @@ Local (parses the source with ast, imports nothing), so every rank checks alike.
 import ast
 import pathlib
 
+import pytest
+
 import mpidomain
+
+pytestmark = pytest.mark.one_world  # no MPI: the same in every world
 
 ROOT = pathlib.Path(mpidomain.__file__).parent
 

@@ -15,6 +15,8 @@ from mpidomain.layout.moves import (Layout, RowMove, contiguous_layout, long_win
                                              short_window_layout, window_move)
 from mpidomain.sharding import balanced_split
 
+pytestmark = pytest.mark.one_world  # no MPI: the same in every world
+
 
 def compositions(total, parts, most=24):
     """Ways of giving ``parts`` ranks ``total`` rows (zeros allowed), in rank order: all, or ``most`` spread over all."""

@@ -16,6 +16,8 @@ from mpidomain.sharding import balanced_split
 from mpidomain.layout.tiles import TileLayout
 from reference import global_pad
 
+pytestmark = pytest.mark.one_world  # no MPI: the same in every world
+
 TAG = 40
 
 

@@ -11,6 +11,8 @@ import pytest
 
 from mpitest import REPO, import_credit, run_mpi, share
 
+pytestmark = pytest.mark.one_world  # documents and the jobs they run: the same in every world
+
 README = os.path.join(REPO, "README.md")
 DOCS = os.path.join(REPO, "docs")
 README_MAX_LINES = 420
@@ -130,7 +132,8 @@ def test_quickstart_lines_are_the_readmes_and_ci_runs_them(capsys):
     assert len(printed) == 2 and printed[0].endswith(" && mpiexec -n 4 python -m mpidomain check"), printed
     assert "pip install '.[mpich,test]'" in printed[1] and printed[1].endswith(" && mpiexec -n 4 python -m pytest")
     ci = open(os.path.join(REPO, ".ci", "run")).read()
-    assert ci.index("scripts/ci/readme_quickstart.py") < ci.index("python3 -m venv \"$venv\"")
+    # The Quickstart runs before any other pass (the other environments are built meanwhile, in the background).
+    assert ci.index("scripts/ci/readme_quickstart.py") < ci.index('wait "$build"') < ci.index("python -m pytest")
     text = "intro\n## Quickstart\n\nno commands\n\n## Next\n\n```bash\nnot this one\n```\n"
     with pytest.raises(ValueError, match="has no ```bash block"):
         script.quickstart_lines(text)

@@ -3,7 +3,11 @@
 import itertools
 import random
 
+import pytest
+
 from mpidomain.nn import rows
+
+pytestmark = pytest.mark.one_world  # no MPI: the same in every world
 
 
 def random_extents(rng, parts):

@@ -10,6 +10,8 @@ import pytest
 from mpidomain import devices, transport
 from mpidomain.transport import Transport, transport_for
 
+pytestmark = pytest.mark.one_world  # no MPI: the same in every world
+
 NAMES = ["host", "direct", "staged"]
 
 
