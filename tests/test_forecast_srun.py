@@ -21,41 +21,48 @@ pytestmark = [needs_slurm, needs_pmi2, pytest.mark.mpi_job]
 
 def _signalled_when_training(out):
     """Start the forecast under srun, send SIGUSR1 to the job's tasks with ``scancel --signal`` once rank 0 has
-    finished its first training step (read from its progress bar), and return (status, stdout, stderr).
+    finished its first training step (read from its progress bar), and return (status, stdout, stderr); a failure
+    of the test's own steps comes back as status -1 with its message, for every rank to share.
 
     The test sends the scheduler's warning itself, at a moment it knows: Slurm's own ``--signal=USR1@T`` arrives
     on the controller's periodic check, up to a minute late, and raced the time limit."""
-    name = f"mpidomain-signal-{os.getpid()}"
+    name, env = f"mpidomain-signal-{os.getpid()}", launcher_env()
+    # -u: the tasks' output unbuffered, so tqdm's redraws (ended by \r, not \n) come through as they are drawn.
     job = subprocess.Popen(
-        ["srun", "-n", "4", "-K", "--mpi=pmi2", f"--job-name={name}", "--time=5", sys.executable, "-m", "mpidomain",
-         "forecast", "--model", "cnn", "--grid", "16x32", "--times", "12", "--steps", "100000", "--rollout", "3",
-         "--out", str(out)], env=launcher_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
-    stderr, first_step = [], threading.Event()
+        ["srun", "-u", "-n", "4", "-K", "--mpi=pmi2", f"--job-name={name}", "--time=5", sys.executable, "-m",
+         "mpidomain", "forecast", "--model", "cnn", "--grid", "16x32", "--times", "12", "--steps", "100000",
+         "--rollout", "3", "--out", str(out)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cwd=REPO)
+    stdout, stderr, first_step = [], [], threading.Event()
 
-    def read():  # tqdm's bar on stderr: "train:   0%|   | 7/100000 [...]"
+    def read(stream, into, watch):
         text = ""
-        while piece := job.stderr.read(64):
-            stderr.append(piece)
+        while piece := stream.read(64):
+            into.append(piece)
             text = (text + piece)[-4096:]
-            if re.search(r"train:[^|\n\r]*\|[^|]*\|\s*[1-9]\d*/100000", text):
+            if watch and re.search(r"train:[^|\n\r]*\|[^|]*\|\s*[1-9]\d*/100000", text):
                 first_step.set()
 
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
+    readers = [threading.Thread(target=read, args=(job.stdout, stdout, False), daemon=True),
+               threading.Thread(target=read, args=(job.stderr, stderr, True), daemon=True)]  # tqdm's bar
+    for reader in readers:
+        reader.start()
     try:
         if not first_step.wait(120):
-            raise AssertionError("the forecast took no training step in 120 s: " + "".join(stderr)[-3000:])
-        jobs = subprocess.run(["squeue", "-h", "-n", name, "-o", "%i"], capture_output=True, text=True, timeout=30)
-        job_id = jobs.stdout.split()[0]
-        subprocess.run(["scancel", "--signal=USR1", job_id], check=True, timeout=30)
-        stdout = job.stdout.read()
+            raise RuntimeError("the forecast took no training step in 120 s")
+        subprocess.run(["scancel", "--signal=USR1", f"--name={name}"], env=env, check=True, capture_output=True,
+                       timeout=30)
         job.wait(120)
+    except (RuntimeError, subprocess.SubprocessError) as exc:
+        return -1, "".join(stdout), f"{type(exc).__name__}: {exc}\n" + "".join(stderr)
     finally:
-        if job.poll() is None:
+        if job.poll() is None:  # the job itself goes too, not only srun
+            subprocess.run(["scancel", f"--name={name}"], env=env, capture_output=True, timeout=30)
             job.kill()
             job.wait()
-    reader.join(30)
-    return job.returncode, stdout, "".join(stderr)
+        for reader in readers:
+            reader.join(30)
+    return job.returncode, "".join(stdout), "".join(stderr)
 
 
 def test_under_srun_a_kill_and_the_schedulers_signal(world, tmp_path, reference):
