@@ -8,6 +8,7 @@ collective. Ranks other than 0 stay quiet unless MPIDOMAIN_TEST_VERBOSE_RANKS=1.
 """
 
 import gc
+import json
 import os
 import sys
 
@@ -62,7 +63,7 @@ def pytest_collection_modifyitems(config, items):
         if any(item.get_closest_marker(kind) for kind in _ONE_WORLD_KINDS) and not item.get_closest_marker(
                 "one_world"):
             item.add_marker(pytest.mark.one_world)
-    _RECORD.collected(config, items)
+    _RECORD.collected(items)
     if _quick_tier(config):
         slow = [item for item in items if item.get_closest_marker("slow")]
         if slow:
@@ -80,7 +81,7 @@ class _Record:
         self.path = os.environ.pop("MPIDOMAIN_TEST_RECORD", None)
         self.rows = []
 
-    def collected(self, config, items):
+    def collected(self, items):
         if self.path:
             self.rows += [{"test": item.nodeid, "event": "collected"} for item in items]
 
@@ -96,8 +97,6 @@ class _Record:
 
     def write(self):
         if self.path and WORLD.Get_rank() == 0:
-            import json
-
             with open(self.path, "a") as file:
                 file.writelines(json.dumps(row) + "\n" for row in self.rows)
 
