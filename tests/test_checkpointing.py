@@ -135,6 +135,48 @@ def test_prepare_training_checkpoints_the_whole_model_and_compiles_inside(world)
     assert not problems, problems
 
 
+def buffered():
+    """A block whose forward advances buffers: spectral norm's power iteration (``weight_u``, ``weight_v``)
+    and batch norm's running statistics."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.utils.spectral_norm(nn.Conv2d(3, 8, 3, padding=1)), nn.BatchNorm2d(8), nn.SiLU(),
+                         nn.utils.spectral_norm(nn.Conv2d(8, 3, 3, padding=1))).double()
+
+
+def test_checkpointing_advances_buffers_once_per_step(world):
+    """The recomputation starts from the buffers the forward started from and leaves them as it left them:
+    over three steps the checkpointed model's outputs, gradients and buffers (spectral norm's u and v, batch
+    norm's running statistics) equal the model without checkpointing, on one process and on every layout.
+    (Recomputed as they are, the power iteration would run twice a step and the gradients depart.)"""
+    field = torch.randn(2, 3, 30, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    problems = []
+    for label, shape, shard_dim in [("one process", 1, -2)] + layouts(world):
+        with DomainParallelManager(world.size, shape, shard_dim=shard_dim) as manager:
+            x = shard_tensor(field, manager=manager, allow_uneven=True)
+            plain = convert_to_domain_parallel(buffered(), manager=manager)
+            model = convert_to_domain_parallel(buffered(), manager=manager)
+            setup = prepare_training(model, TrainingOptions(activation_checkpoint=True))
+            for step in range(3):
+                want, got = train_step(plain, x, manager), train_step(setup.model, x, manager)
+                buffers = [(name, b, dict(plain.named_buffers())[name]) for name, b in model.named_buffers()]
+                different = [name for name, b, p in buffers if not torch.equal(b, p)]
+                if not (torch.equal(got[0], want[0]) and all(torch.equal(a, b) for a, b in zip(got[1], want[1]))):
+                    problems.append(f"{label}, step {step + 1}: output or gradients differ")
+                if different:
+                    problems.append(f"{label}, step {step + 1}: buffers differ: {different}")
+    assert not problems, problems
+
+
+def test_checkpoint_like_credit_checkpoints_nothing_when_nothing_is_marked(world):
+    """TrainingOptions(checkpoint_like_credit=True), as CREDIT's trainer: a model with no ``_fsdp2_shard`` block
+    (CREDIT's ``crossformer`` type) is not wrapped at all."""
+    with DomainParallelManager(world.size, world.size) as manager:
+        model = convert_to_domain_parallel(blocks(), manager=manager)
+        setup = prepare_training(model, TrainingOptions(activation_checkpoint=True, checkpoint_like_credit=True))
+    assert setup.blocks == () and setup.model is model, (setup.blocks, type(setup.model).__name__)
+    assert not any(type(m).__name__ == "CheckpointWrapper" for m in setup.model.modules())
+
+
 @pytest.mark.credit
 def test_credit_activation_checkpoint_equals_one_process(world):
     """CREDIT's trainer.activation_checkpoint (credit.parallel.fsdp2._apply_activation_checkpointing: its marked
@@ -164,3 +206,59 @@ def test_credit_activation_checkpoint_equals_one_process(world):
         (wrapped, setup.blocks)
     assert relative(whole, want_out) < 1e-12 and relative(grads, want_grads) < 1e-12, \
         (relative(whole, want_out), relative(grads, want_grads))
+
+
+@pytest.mark.credit
+def test_credit_train_checkpoints_exactly_as_credit(world):
+    """``credit train``'s checkpointing (TrainingOptions(checkpoint_like_credit=True)) on CREDIT's two
+    CrossFormers, converted: the blocks CREDIT's own wrapper checkpoints and no others (none for the
+    ``crossformer`` type, which marks none: the whole model was checkpointed, its spectral norms' power
+    iteration run twice a step), and over two steps outputs, gradients and buffers equal CREDIT's own
+    checkpointing on one process (float64, 1e-12)."""
+    import importlib
+
+    import credit_models
+    from test_credit_models import _agreed_skip
+
+    wxformer = _agreed_skip(world, credit_models.crossformer)  # its postblock stand-in where torchvision is absent
+    from credit.parallel.fsdp2 import _apply_activation_checkpointing
+
+    def build(module):
+        torch.manual_seed(0)
+        return module.CrossFormer(image_height=123, image_width=56, frames=2, channels=1, levels=2,
+                                  surface_channels=1, input_only_channels=0, dim=(4, 8, 16, 32), depth=(1, 1, 1, 1),
+                                  dim_head=4, local_window_size=2, global_window_size=(4, 2, 2, 1),
+                                  cross_embed_kernel_sizes=((4, 8), (2, 4), (2, 4), (2, 4)),
+                                  cross_embed_strides=(2, 2, 2, 2), use_spectral_norm=True, interp=False,
+                                  padding_conf=dict(activate=True, mode="earth", pad_lat=[2, 3],
+                                                    pad_lon=[4, 4])).double()
+
+    x = torch.randn(1, 3, 2, 123, 56, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    problems = []
+    for name, module in (("crossformer", importlib.import_module("credit.models.crossformer")),
+                         ("wxformer", wxformer)):
+        reference = build(module)
+        _apply_activation_checkpointing(reference)
+        theirs = [p.replace("._checkpoint_wrapped_module", "") for p, m in reference.named_modules()
+                  if type(m).__name__ == "CheckpointWrapper"]
+        with DomainParallelManager(world.size, world.size) as manager:
+            model = convert_to_domain_parallel(build(module), manager=manager)
+            setup = prepare_training(model, TrainingOptions(activation_checkpoint=True, checkpoint_like_credit=True))
+            xs = shard_tensor(x, manager=manager, allow_uneven=True)
+            for step in range(2):
+                want_out, want_grads = train_step(reference, x)
+                out, grads = train_step(setup.model, xs, manager)
+                whole = gather_tensor(out, manager=manager)
+                if relative(whole, want_out) > 1e-12 or relative(grads, want_grads) > 1e-12:
+                    problems.append(f"{name}, step {step + 1}: output {relative(whole, want_out):.3g}, gradients "
+                                    f"{relative(grads, want_grads):.3g}")
+            mine, want = setup.model.state_dict(), reference.state_dict()  # the same keys, the wrappers' stripped
+            for key in (k.replace("_checkpoint_wrapped_module.", "") for k, _ in reference.named_buffers()):
+                if key in want and relative(mine[key], want[key]) > 1e-12:
+                    problems.append(f"{name}: buffer {key} differs")
+        if list(setup.blocks) != theirs:
+            problems.append(f"{name}: checkpointed {list(setup.blocks)}, CREDIT {theirs}")
+        if name == "crossformer" and theirs:
+            problems.append(f"CREDIT's crossformer type now marks {theirs}")
+    assert not problems, problems
+

@@ -619,3 +619,56 @@ def test_a_rank_killed_in_the_middle_of_a_file_leaves_no_whole_looking_file_and_
     assert outcome["rerun"][0] == 0, outcome["rerun"]
     assert outcome["after"] == ["20001230_0000Z/full.nc", "20001231_0000Z/full.nc", "20010101_0000Z/full.nc",
                                 "scores.csv"], outcome
+
+
+def _slabs_layout():
+    layout = {1: "D=1", 2: "D=2", 4: "D=4"}.get(WORLD.size)
+    if layout is None:
+        pytest.skip("slabs of 1, 2 or 4 ranks")
+    return layout
+
+
+def test_model_post_conf_tracer_fixer_clamps_every_step_and_global_fixers_are_refused(rollout_case):
+    """model.post_conf (the 0.25-degree example's tracer_fixer): CREDIT's rollout cannot build it and ours dropped
+    it without a word; now each step's prediction is clamped on every tile by CREDIT's TracerFixer, written
+    and fed back so: no value below the threshold in any file, the first step the unfixed forecast clamped
+    (bitwise; the other variables unchanged), and a global fixer refused in one line before any file."""
+    from mpidomain.command import UsageError
+
+    layout = _slabs_layout()
+    baseline, _ = ours(rollout_case, layout)
+    first = [name for name in forecast_tree(baseline) if name.endswith(".nc")][0]
+    threshold = None
+    if WORLD.rank == 0:
+        threshold = float(np.median(nc_values(os.path.join(baseline, first))["VAR_2T"]))
+    threshold = share(WORLD, threshold)
+    conf = copy.deepcopy(rollout_case["conf"])
+    conf["model"]["post_conf"] = {"activate": True, "tracer_fixer": {
+        "activate": True, "denorm": True, "tracer_name": ["VAR_2T"], "tracer_thres": [threshold]},
+        "global_mass_fixer": {"activate": False}}
+    save = fresh(os.path.join(rollout_case["folder"], f"tracer-fixer-{WORLD.size}"))
+    roll_here(conf, LAYOUTS[layout][0], save)
+    problems = []
+    if WORLD.rank == 0:
+        names = [name for name in forecast_tree(save) if name.endswith(".nc")]
+        for name in names:
+            if float(nc_values(os.path.join(save, name))["VAR_2T"].min()) < threshold:
+                problems.append(f"{name}: VAR_2T below {threshold}")
+        got, want = nc_values(os.path.join(save, first)), nc_values(os.path.join(baseline, first))
+        if not np.array_equal(got["VAR_2T"], np.maximum(want["VAR_2T"], np.float32(threshold))):
+            problems.append(f"{first}: VAR_2T is not the unfixed forecast clamped")
+        problems += [f"{first}: {v} changed" for v in want if v != "VAR_2T" and not np.array_equal(got[v], want[v])]
+        if not (want["VAR_2T"] < threshold).any():
+            problems.append("the threshold clamps nothing: the test tests nothing")
+    conf["model"]["post_conf"]["global_mass_fixer"] = {"activate": True}
+    refused = fresh(os.path.join(rollout_case["folder"], f"global-fixer-{WORLD.size}"))
+    try:
+        roll_here(conf, LAYOUTS[layout][0], refused)
+        problems.append("a global fixer was not refused")
+    except UsageError as error:
+        if not str(error).startswith("model.post_conf.global_mass_fixer.activate = True:"):
+            problems.append(f"refused with {error}")
+    if WORLD.rank == 0 and os.path.isdir(refused) and forecast_tree(refused):
+        problems.append(f"files written before the refusal: {forecast_tree(refused)}")
+    problems = share(WORLD, problems)
+    assert not problems, problems

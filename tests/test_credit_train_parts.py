@@ -277,6 +277,52 @@ def test_loss_and_metrics_from_tiles_equal_credits_on_the_whole_field(credit_dat
         manager.close()
 
 
+def xr_open(path):
+    import xarray as xr
+
+    return xr.open_dataset(path)
+
+
+@pytest.mark.credit
+def test_the_flat_loss_form_trains_with_credits_flat_variable_keys(credit_data):
+    """The flat loss form (``training_loss: mse``: CREDIT's VariableTotalLoss2D) reads ``data.variables``, which
+    CREDIT's train_gen2 injects (``inject_flat_var_keys``) before its loss: credit train does the same (it
+    failed with a bare KeyError 'variables')."""
+    from mpidomain.credit.model import training_conf
+
+    folder, conf = credit_data
+    flat = layout_conf(conf, fresh(os.path.join(folder, f"flat-loss-{WORLD.size}")), batches_per_epoch=2, epochs=1,
+                       skip_validation=True)
+    flat["loss"] = {"training_loss": "mse", "validation_loss": "mse", "use_variable_weights": False,
+                    "use_latitude_weights": False, "use_spectral_loss": False, "use_power_loss": False}
+    prepared, _ = training_conf(flat)
+    assert prepared["data"]["variables"] == flat["data"]["source"]["ERA5"]["variables"]["prognostic"]["vars_3D"]
+    assert "variables" not in flat["data"], "training_conf changed the config it was given"
+    train_here(flat, (WORLD.size,))
+    _, rows = step_losses(flat["save_loc"])
+    assert len(rows) == 2 and all(np.isfinite(v) for row in rows for v in row[1:]), rows
+
+
+@pytest.mark.credit
+def test_a_scaler_written_for_other_levels_is_one_line_naming_file_and_variable(credit_data, tmp_path):
+    """bridgescaler asserted "Number of input variables does not match scaler." mid-step, naming neither the
+    file nor the variable: the blocks refuse such a scaler when they are built, naming both."""
+    from mpidomain.command import UsageError
+    from mpidomain.credit.blocks import Blocks
+    from mpidomain.credit.reference import credit_config
+
+    folder, conf = credit_data
+    scaled = credit_config(conf, str(tmp_path))  # bridgescaler JSONs for the config's levels
+    levels = scaled["data"]["source"]["ERA5"]["levels"]
+    scaled["data"]["source"]["ERA5"]["levels"] = levels[:-1]
+    scaled["model"]["levels"] = len(levels) - 1
+    with pytest.raises(UsageError) as caught:
+        Blocks(scaled, _settings(scaled))
+    message = str(caught.value)
+    assert "preblocks.per_step." in message and "_pre_scaler.json" in message, message
+    assert f"holds {len(levels)} channel(s), the data has {len(levels) - 1} level(s)" in message, message
+
+
 # -- bad data: one error on every rank -----------------------------------------------------------------
 def _copy_data(folder, tmp_path_factory):
     from credit_train_support import shared_folder
@@ -324,8 +370,8 @@ def _plan_error(conf):
 
 
 @pytest.mark.credit
-@pytest.mark.parametrize("problem", ["year missing", "variable absent", "level not found", "grid differs",
-                                     "time absent"])
+@pytest.mark.parametrize("problem", ["year missing", "variable absent", "variable renamed", "level not found",
+                                     "grid differs", "time absent"])
 def test_bad_data_is_one_error_on_every_rank_naming_file_variable_and_time(problem, credit_data, tmp_path_factory):
     folder, conf = credit_data
     copy_folder = _copy_data(folder, tmp_path_factory)
@@ -339,6 +385,12 @@ def test_bad_data_is_one_error_on_every_rank_naming_file_variable_and_time(probl
         _edit(year2001, lambda ds: ds.drop_vars("VAR_2T"))
         message = _plan_error(conf)
         assert "era5_synthetic_2001.nc: variable VAR_2T (prognostic) is absent" in message
+        with xr_open(year2001) as ds:  # every name the file has, not the first dozen
+            assert all(str(name) in message for name in ds.data_vars), message
+    elif problem == "variable renamed":  # the name the user is looking for comes first, however long the list
+        _edit(year2001, lambda ds: ds.rename({"VAR_2T": "var_2t"}))
+        message = _plan_error(conf)
+        assert "variable VAR_2T (prognostic) is absent; closest: var_2t" in message, message
     elif problem == "level not found":
         conf["data"]["source"]["ERA5"]["levels"] = [300.0, 500.0, 1000.0]
         message = _plan_error(conf)

@@ -131,6 +131,7 @@ class Blocks:
                         raise UsageError(
                             f"preblocks.per_step.{name}.args.scaler_path = {args['scaler_path']!r}: no {data_type} "
                             f"scaler for {', '.join(missing)}; list only scaled variables in args.variables")
+                    _check_channels(table, self.levels, args["scaler_path"], f"preblocks.per_step.{name}")
                     self.pre_steps.append(((data_type,), table, method))
         for name, block in ((conf.get("postblocks") or {}).get("per_step") or {}).items():
             kind, args = block["type"], block.get("args") or {}
@@ -146,6 +147,7 @@ class Blocks:
                 target = (scalers.get("target") or {}).get(settings.data.source, {})
                 chosen = _selected(args.get("variables") or [], target_keys)
                 table = {k: target[k] for k in chosen if k in target}
+                _check_channels(table, self.levels, args["scaler_path"], f"postblocks.per_step.{name}")
                 self.post_steps.append(("scale", args.get("key", "y_processed"), table,
                                         args.get("method", "inverse_transform")))
         self.clamp = settings.data.clamp
@@ -204,6 +206,16 @@ class Blocks:
         """The prediction ``(B, C_out, rows, columns)`` as named tensors in physical units (the ``y_processed``
         chain, no gradient): for output writers."""
         return self.post({"y_pred": flat.detach()}).get("y_processed", {})
+
+
+def _check_channels(table, levels, path, where):
+    """Refuse a scaler whose channels are not the variable's levels (bridgescaler would assert mid-step)."""
+    for key, scaler in table.items():
+        columns = getattr(scaler, "x_columns_", None)
+        if columns is not None and key in levels and len(columns) != levels[key]:
+            raise UsageError(f"{where}.args.scaler_path = {path!r}: the scaler of {key} holds {len(columns)} "
+                             f"channel(s), the data has {levels[key]} level(s) of it; write the scalers for this "
+                             "config's levels (credit convert) or give the file written for them")
 
 
 def _load_scalers(path, where):

@@ -100,15 +100,27 @@ def _open(path, engine):
     return xr.open_dataset(path, engine=engine, cache=False)
 
 
+def _names_like(name, names, whole=40):
+    """What a file offers instead of ``name``: its closest names, then every name (the first ``whole``)."""
+    import difflib
+
+    names = [str(n) for n in names]
+    close = difflib.get_close_matches(name, names, n=5, cutoff=0.5)
+    close += [n for n in names if n.lower() == name.lower() and n not in close]
+    text = f"closest: {', '.join(close)}; " if close else ""
+    if len(names) <= whole:
+        return text + f"the file has {len(names)} variable(s): {', '.join(names)}"
+    return text + f"the file has {len(names)} variables: {', '.join(names[:whole])} and {len(names) - whole} more"
+
+
 def _check_file(data, kind, path, variables, times, reference, engine):
     """Check one file; return its grid ((lat dim, lon dim), shape, latitudes, longitudes)."""
     with _open(path, engine) as ds:
         tdim = data.time_coord
         for name in variables:
             if name not in ds.data_vars:
-                listed = ", ".join(list(ds.data_vars)[:12])
-                raise ValueError(f"{path}: variable {name} ({kind}) is absent; the file has {listed}; fix "
-                                 f"data.source.*.variables.{kind} or the file")
+                raise ValueError(f"{path}: variable {name} ({kind}) is absent; {_names_like(name, ds.data_vars)}; "
+                                 f"fix data.source.*.variables.{kind} or the file")
         if times is not None:
             if tdim not in ds.coords:
                 raise ValueError(f"{path}: no time coordinate {tdim!r} for the {kind} variables; set time_coord")

@@ -15,7 +15,24 @@ from ..command import UsageError
 from ..models import credit_crossformer_module
 from ..nn import TrainingOptions, convert_to_domain_parallel, prepare_training
 
-__all__ = ["build_model", "training_options", "training_wrappers", "unwrapped"]
+__all__ = ["build_model", "training_conf", "training_options", "training_wrappers", "unwrapped"]
+
+
+def training_conf(conf):
+    """Return ``(conf, post_conf_active)``: a copy of ``conf`` prepared as CREDIT's ``train_gen2`` prepares it
+    before it builds the loss and the model, and whether ``model.post_conf`` asked for postblocks.
+
+    CREDIT's own steps, called, not copied: ``credit.trainers.utils.inject_flat_var_keys`` (the flat
+    ``data.variables``, ``surface_variables``, ``diagnostic_variables`` that the flat loss form reads), and
+    ``model.post_conf`` removed (gen2 training never applies gen1 postblocks; CREDIT warns, then hides its
+    warnings). Local and pure.
+    """
+    from credit.trainers.utils import inject_flat_var_keys
+
+    conf = copy.deepcopy(conf)
+    post_conf = conf.get("model", {}).pop("post_conf", None)
+    inject_flat_var_keys(conf)
+    return conf, bool(isinstance(post_conf, dict) and post_conf.get("activate"))
 
 
 def build_model(conf, manager, device):
@@ -58,21 +75,22 @@ def training_options(settings, device, amp=None):
     on a CPU, nothing there), or ``amp="bf16"`` (the command line's ``--amp bf16``: bfloat16 on any device)."""
     chosen = amp if amp is not None else ("fp16" if settings.amp and device.type == "cuda" else None)
     return TrainingOptions(compile=settings.compile, activation_checkpoint=settings.activation_checkpoint,
-                           amp=chosen)
+                           checkpoint_like_credit=True, amp=chosen)
 
 
 def training_wrappers(model, settings, device, manager, amp=None):
-    """Return ``(model, autocast, scaler, options)`` for ``trainer.compile``, ``activation_checkpoint`` and
+    """Return ``(model, autocast, scaler, options, blocks)`` for ``trainer.compile``, ``activation_checkpoint`` and
     ``amp`` (:func:`training_options`), made by :func:`mpidomain.nn.prepare_training`.
 
     ``activation_checkpoint`` wraps the blocks CREDIT's models mark (``_fsdp2_shard``) in non-reentrant
-    checkpointing, as CREDIT's gen2 wrapper does (the recomputation in backward repeats each halo exchange in
-    the same order on every rank); ``compile`` compiles the model (each checkpointed block, with both);
+    checkpointing exactly as CREDIT's gen2 wrapper does (``TrainingOptions.checkpoint_like_credit``: nothing
+    where the model marks nothing, as the ``crossformer`` type; the recomputation in backward repeats each halo
+    exchange in the same order on every rank); ``compile`` compiles the model (each checkpointed block, with both);
     ``autocast()`` returns a fresh context manager; ``scaler`` is the float16 run's
     :class:`~mpidomain.nn.AgreedGradScaler` (its skip decision the same on every rank), else a disabled
-    ``GradScaler`` (its calls pass through). Local.
+    ``GradScaler`` (its calls pass through); ``blocks``: the paths of the checkpointed blocks. Local.
     """
     options = training_options(settings, device, amp)
     setup = prepare_training(model, options, manager=manager)
     scaler = setup.scaler if setup.scaler is not None else torch.amp.GradScaler("cuda", enabled=False)
-    return setup.model, setup.autocast, scaler, options
+    return setup.model, setup.autocast, scaler, options, setup.blocks

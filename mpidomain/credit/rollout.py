@@ -38,6 +38,7 @@ from .files import index_files
 from ..nn import TrainingOptions, prepare_training
 from .model import build_model
 from .output import ForecastWriter, OutputVariable
+from .post_conf import model_fixers
 from .scores import ClimatologyMean, ForecastScores, read_climatology
 from .trainer import assemble_inputs
 
@@ -317,6 +318,7 @@ class _Setup:
     scored: set
     checkpoint: str
     autocast: Any
+    fix: Any  # model.post_conf's fixers (mpidomain.credit.post_conf.model_fixers)
 
 
 def _output_variables(target_layout, source_levels):
@@ -385,6 +387,10 @@ def _prepare(conf, settings, options, manager, say):
     layouts = agreed(world, "credit rollout: the channel layout", lambda: channel_layouts(conf, saved=True))
     blocks = agreed(world, "credit rollout: the pre- and postblocks",
                     lambda: Blocks(rconf, _BlockSettings(data), layouts=layouts))
+    fix, fixing = agreed(world, "credit rollout: model.post_conf",
+                         lambda: model_fixers(model_conf, [key for key, _, _ in blocks.target_layout]))
+    if fixing:
+        say(fixing)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     seed_everything(int(conf.get("seed", 42)))  # as credit rollout: the weights come from the checkpoint anyway
     model = agreed(world, "credit rollout: building the model", lambda: build_model(rconf, manager, device))
@@ -418,7 +424,7 @@ def _prepare(conf, settings, options, manager, say):
     scores = ForecastScores(variables, latitude, longitude, manager, climatology=climatology)
     prepared = prepare_training(model, options.stack(), manager=manager)  # --compile, --amp (local)
     return _Setup(settings, data, plan, blocks, prepared.model, device, variables, writer, scores, scores_csv, words,
-                  scored, path, prepared.autocast)
+                  scored, path, prepared.autocast, fix)
 
 
 @dataclass(frozen=True)
@@ -516,7 +522,7 @@ def rollout(conf, settings, options, manager, say=print):
                         del x
                     if y_pred.dim() == 5:
                         y_pred = y_pred.flatten(1, 2)
-                    prediction = setup.blocks.post({"y_pred": y_pred})["y_processed"]
+                    prediction = setup.fix(setup.blocks.post({"y_pred": y_pred})["y_processed"])
                     del y_pred
                     values = torch.cat([prediction[key] for key, _, _ in layout], dim=1)[0, :, 0]
                     values = values.float().cpu().numpy()

@@ -18,7 +18,7 @@ import os
 import shutil
 import time
 from collections import OrderedDict, defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Tuple
 
 import numpy as np
@@ -36,7 +36,7 @@ from .blocks import Blocks
 from .checkpoints import FORMAT, EpochFiles, newest_state, pack_rng, read_checkpoint, step_folder, unpack_rng
 from .dataset import CreditTileDataset, plan_source, source_clock
 from .loss import TileLoss, TileMetrics
-from .model import build_model, training_wrappers, unwrapped
+from .model import build_model, training_conf, training_wrappers, unwrapped
 
 __all__ = ["TrainOptions", "train", "assemble_inputs"]
 
@@ -170,8 +170,11 @@ class _Run:
         seed_everything(settings.seed)  # every rank builds the same weights, those of credit train
         model = agreed(world, "credit train: building the model",
                        lambda: build_model(settings.conf, self.manager, self.device))
-        self.model, self.autocast, self.scaler, self.stack = training_wrappers(model, settings, self.device,
-                                                                               self.manager, self.options.amp)
+        self.model, self.autocast, self.scaler, self.stack, checkpointed = training_wrappers(
+            model, settings, self.device, self.manager, self.options.amp)
+        if settings.activation_checkpoint and not checkpointed:
+            self.say(f"trainer.activation_checkpoint: model type {settings.conf['model'].get('type')!r} marks no "
+                     "block for checkpointing (_fsdp2_shard), so nothing is recomputed (as CREDIT's train_gen2)")
         seed_everything(settings.seed + self.manager.dp_rank)  # per data-parallel group, as credit train
         self.loss = agreed(world, "credit train: the loss", lambda: TileLoss(
             settings.conf, self.manager, self.rows, self.train_plan.shape[0]))
@@ -656,7 +659,11 @@ def train(settings, options, manager, say=print):
     """
     from credit.scheduler import update_on_epoch
 
+    conf, post_conf_active = training_conf(settings.conf)  # CREDIT's train_gen2 steps before its loss and model
+    settings = replace(settings, conf=conf)
     run = _Run(settings, options, manager, lambda line: say(line) if manager.rank == 0 else None)
+    if post_conf_active:
+        run.say("model.post_conf is not applied in training (as CREDIT's train_gen2)")
     run.prepare()
     start_epoch, first_step = run.restore()
     run.trim_steps_log()

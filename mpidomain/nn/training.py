@@ -6,9 +6,14 @@ mixed precision (:func:`prepare_training`).
   :mod:`mpidomain.nn.ops`.
 - **activation checkpointing**: non-reentrant ``torch.utils.checkpoint`` around the blocks CREDIT marks for it
   (``_fsdp2_shard``: what CREDIT's ``trainer.activation_checkpoint`` wraps), else around the whole model; the
-  forward runs again in backward, its exchanges with it, alike on every rank. With compile, each block is
-  compiled inside its checkpoint (PyTorch 2.13 cannot checkpoint a region inside a compiled graph whose
-  operators are ordered effects).
+  forward runs again in backward, its exchanges with it, alike on every rank. The recomputation starts from
+  the buffers the forward started from and leaves them as the forward left them, so a buffer the forward
+  advances (spectral norm's ``weight_u`` and ``weight_v``, batch norm's running statistics) advances once per
+  step, as without checkpointing. ``checkpoint_like_credit`` does exactly what CREDIT's gen2 trainer does
+  instead: the marked blocks only (none where none is marked), each buffer advanced again in the
+  recomputation (torch's ``checkpoint_wrapper`` as it is). With
+  compile, each block is compiled inside its checkpoint (PyTorch 2.13 cannot checkpoint a region inside a
+  compiled graph whose operators are ordered effects).
 - **mixed precision**: ``torch.autocast`` (``"bf16"``; ``"fp16"`` with an :class:`AgreedGradScaler`, whose
   decision to skip a step with inf/NaN gradients is the same on every rank).
 """
@@ -35,17 +40,23 @@ class TrainingOptions:
     :param compile: Compile the model with ``torch.compile`` (``compile_backend``; ``"aot_eager"`` compiles
         the graph without generating kernels).
     :param activation_checkpoint: Recompute activations in backward instead of keeping them.
+    :param checkpoint_like_credit: With ``activation_checkpoint``, checkpoint as CREDIT's gen2 trainer
+        (``credit.parallel.fsdp2._apply_activation_checkpointing``): only the blocks marked ``_fsdp2_shard``,
+        nothing where none is, and the recomputation advancing buffers again (``credit train``'s choice, so
+        that it equals CREDIT's run). Default: the marked blocks or else the whole model, buffers advanced
+        once per step.
     :param amp: None (the model's dtype), ``"bf16"`` or ``"fp16"`` (``torch.autocast``; fp16 with a scaler).
     :param compile_backend: The ``torch.compile`` backend.
     """
 
     compile: bool = False
     activation_checkpoint: bool = False
+    checkpoint_like_credit: bool = False
     amp: Optional[str] = None
     compile_backend: str = "inductor"
 
     def __post_init__(self):
-        for name in ("compile", "activation_checkpoint"):
+        for name in ("compile", "activation_checkpoint", "checkpoint_like_credit"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"TrainingOptions({name}=...) takes True or False, got {getattr(self, name)!r}")
         if self.amp not in (None, *AMP_DTYPES):
@@ -141,9 +152,10 @@ class AgreedGradScaler(torch.amp.GradScaler):
             found[self._scale.device] = agreed
 
 
-def checkpoint_blocks(model):
+def checkpoint_blocks(model, unmarked=True):
     """Return ``[(path, module)]`` of the blocks :func:`prepare_training` checkpoints: the outermost modules
-    CREDIT marks for it (``_fsdp2_shard``), else ``[("", model)]`` (the whole model). Local."""
+    CREDIT marks for it (``_fsdp2_shard``), else ``[("", model)]`` (the whole model) or, with
+    ``unmarked=False``, ``[]``. Local."""
     found, covered = [], []
     for path, module in model.named_modules():
         if any(path.startswith(c + ".") for c in covered):
@@ -151,13 +163,58 @@ def checkpoint_blocks(model):
         if path and getattr(module, "_fsdp2_shard", False):
             found.append((path, module))
             covered.append(path)
-    return found or [("", model)]
+    return found or ([("", model)] if unmarked else [])
 
 
-def _checkpointed(module):
+class _ForwardBuffers:
+    """The forward's context of a checkpointed block: keeps the values of the buffers the forward changes."""
+
+    def __init__(self, module):
+        self.buffers = list(module.buffers())
+        self.before = None
+
+    def __enter__(self):
+        self.versions = [b._version for b in self.buffers]
+        self.before = [b.detach().clone() for b in self.buffers]
+
+    def __exit__(self, *exc):
+        self.before = [(b, value) for b, value, version in zip(self.buffers, self.before, self.versions)
+                       if b._version != version]  # only what the forward changed stays until the backward
+
+
+class _RecomputeBuffers:
+    """The recomputation's context: the changed buffers as the forward found them, then as it left them."""
+
+    def __init__(self, forward):
+        self.forward = forward
+
+    @torch.no_grad()
+    def __enter__(self):
+        self.after = [(b, b.detach().clone()) for b, _ in self.forward.before]
+        for b, value in self.forward.before:
+            b.copy_(value)
+
+    @torch.no_grad()
+    def __exit__(self, *exc):  # also when the recomputation stops early (torch's early stop)
+        for b, value in self.after:
+            b.copy_(value)
+
+
+def _buffer_contexts(module):
+    """``context_fn`` for ``torch.utils.checkpoint``: buffers advanced once per step, not again in backward."""
+    def contexts():
+        forward = _ForwardBuffers(module)
+        return forward, _RecomputeBuffers(forward)
+    return contexts
+
+
+def _checkpointed(module, like_credit=False):
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 
-    return checkpoint_wrapper(module, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+    if like_credit:
+        return checkpoint_wrapper(module, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+    return checkpoint_wrapper(module, checkpoint_impl=CheckpointImpl.NO_REENTRANT,
+                              context_fn=_buffer_contexts(module))
 
 
 def _replace(model, path, new):
@@ -183,14 +240,16 @@ def prepare_training(model, options=TrainingOptions(), *, manager=None):
     compile_block = functools.partial(_compile, backend=options.compile_backend)
     blocks = ()
     if options.activation_checkpoint:
-        found = checkpoint_blocks(model)
+        found = checkpoint_blocks(model, unmarked=not options.checkpoint_like_credit)
         blocks = tuple(path for path, _ in found)
         for path, module in found:
             if options.compile:
                 compile_block(module)
             if path:
-                _replace(model, path, _checkpointed(module))
-        if not found[0][0]:
+                _replace(model, path, _checkpointed(module, options.checkpoint_like_credit))
+        if not found and options.compile:
+            compile_block(model)
+        if found and not found[0][0]:
             model = _checkpointed(model)
     elif options.compile:
         compile_block(model)
