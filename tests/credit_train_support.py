@@ -14,15 +14,39 @@ from mpitest import import_credit, share
 
 WORLD = MPI.COMM_WORLD
 _ONCE = {}  # the session fixtures' values: both test modules import them, and each import is its own fixture
+# .ci/run keeps the one-process references (CREDIT's own runs) and their data here between its passes, which
+# would each compute the same again; taken out of the environment so that a nested pytest keeps none.
+CACHE = os.environ.pop("MPIDOMAIN_TEST_CACHE", None)
 LAYOUTS = {  # name: (domain, train_batch_size per group, world size)
     "1": ((1,), 2, 1), "2": ((2,), 2, 2), "4": ((4,), 2, 4), "2x2": ((2, 2), 2, 4), "2 x 2 groups": ((2,), 1, 4),
 }
 
 
 def shared_folder(tmp_path_factory, name):
-    """A folder made by rank 0, the same path on every rank."""
+    """A folder made by rank 0, the same path on every rank (with a cache, the same in every pass)."""
+    if CACHE:
+        path = os.path.join(CACHE, name)
+        if WORLD.rank == 0:
+            os.makedirs(path, exist_ok=True)
+        return share(WORLD, path)
     path = str(tmp_path_factory.mktemp(name)) if WORLD.rank == 0 else None
     return share(WORLD, path)
+
+
+def cached(name, key, compute, keep=lambda value: True):
+    """``compute()``, or with a cache the value an earlier pass computed for the same ``key`` (JSON). Rank 0
+    only (the others get it shared); a value ``keep`` refuses (a failed run) is not kept."""
+    path = os.path.join(CACHE, f"{name}.json") if CACHE else None
+    if path and os.path.exists(path):
+        with open(path) as file:
+            saved = json.load(file)
+        if saved["key"] == key:
+            return saved["value"]
+    value = compute()
+    if path and keep(value):
+        write_json(path + ".partial", {"key": key, "value": value})
+        os.replace(path + ".partial", path)
+    return value
 
 
 @pytest.fixture(scope="session")
@@ -39,7 +63,7 @@ def credit_data(tmp_path_factory):
     error = None
     if WORLD.rank == 0:
         try:
-            write_synthetic_credit(folder)
+            cached("credit-data", folder, lambda: write_synthetic_credit(folder) or folder)
         except Exception as exc:  # noqa: BLE001 - shared below, raised on every rank
             error = f"{type(exc).__name__}: {exc}"
     error = share(WORLD, error)
@@ -63,7 +87,8 @@ def credit_reference(credit_data):
     result = None
     if WORLD.rank == 0:
         try:
-            result = run_credit_train(conf, os.path.join(folder, "credit-reference"), timeout=600)
+            result = cached("credit-reference", conf, lambda: run_credit_train(
+                conf, os.path.join(folder, "credit-reference"), timeout=600), keep=_succeeded)
         except Exception as exc:  # noqa: BLE001
             result = {"returncode": -1, "output": f"{type(exc).__name__}: {exc}", "steps": []}
         result["save_loc"] = conf["save_loc"]
@@ -89,12 +114,17 @@ def credit_reference_accumulating(credit_data):
     conf = layout_conf(conf, os.path.join(folder, "credit-accumulating"), **ACCUMULATION)
     result = None
     if WORLD.rank == 0:
-        result = run_credit_train(conf, os.path.join(folder, "credit-accumulating-files"), timeout=600)
+        result = cached("credit-accumulating", conf, lambda: run_credit_train(
+            conf, os.path.join(folder, "credit-accumulating-files"), timeout=600), keep=_succeeded)
     result = share(WORLD, result)
     if result["returncode"] != 0 or not result["steps"]:
         pytest.fail(f"CREDIT's credit train failed (status {result['returncode']}):\n{result['output'][-3000:]}")
     _ONCE["accumulating"] = result
     return result
+
+
+def _succeeded(result):
+    return result["returncode"] == 0 and bool(result["steps"])
 
 
 def layout_conf(conf, save_loc, batch=None, **trainer):

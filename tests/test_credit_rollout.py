@@ -25,7 +25,7 @@ import pandas as pd
 import pytest
 import yaml
 
-from credit_train_support import WORLD, credit_data, shared_folder  # noqa: F401
+from credit_train_support import WORLD, cached, credit_data, shared_folder  # noqa: F401
 from mpitest import hiding_env, program_lines, run_mpi, share
 
 netCDF4 = pytest.importorskip("netCDF4")
@@ -61,31 +61,35 @@ def rollout_case(credit_data, tmp_path_factory):  # noqa: F811
         return _ONCE["case"]
     data_folder, base = credit_data
     folder = shared_folder(tmp_path_factory, "credit-rollout")
+
+    def prepare():
+        conf = copy.deepcopy(base)
+        conf["save_loc"] = os.path.join(folder, "run")
+        os.makedirs(conf["save_loc"], exist_ok=True)
+        metadata = os.path.join(folder, "metadata.yaml")
+        _write_yaml(metadata, METADATA)
+        conf["inference"] = {
+            "mode": "none", "save_forecast": os.path.join(folder, "credit"),
+            "batch_forecast": {"first_init_date": INITS[0], "last_init_date": INITS[1], "init_interval": "1d",
+                               "forecast_length": LENGTH},
+            "output": {"format": "netcdf", "metadata": metadata}}
+        era5 = copy.deepcopy(conf)
+        conf = credit_rollout_config(conf, os.path.join(folder, "scalers"))
+        config = os.path.join(folder, "rollout.yml")
+        _write_yaml(config, conf)
+        era5_config = os.path.join(folder, "rollout-era5.yml")
+        _write_yaml(era5_config, era5)
+        credit_checkpoint(conf, os.path.join(conf["save_loc"], "checkpoint.pt"))  # as after 2 steps
+        began = time.perf_counter()
+        result = run_credit_rollout(config, timeout=600)
+        result["seconds"] = time.perf_counter() - began
+        return {"folder": folder, "conf": conf, "config": config, "era5": era5, "era5_config": era5_config,
+                "checkpoint": os.path.join(conf["save_loc"], "checkpoint.pt"), "credit": result}
+
     outcome = None
     if WORLD.rank == 0:
         try:
-            conf = copy.deepcopy(base)
-            conf["save_loc"] = os.path.join(folder, "run")
-            os.makedirs(conf["save_loc"])
-            metadata = os.path.join(folder, "metadata.yaml")
-            _write_yaml(metadata, METADATA)
-            conf["inference"] = {
-                "mode": "none", "save_forecast": os.path.join(folder, "credit"),
-                "batch_forecast": {"first_init_date": INITS[0], "last_init_date": INITS[1], "init_interval": "1d",
-                                   "forecast_length": LENGTH},
-                "output": {"format": "netcdf", "metadata": metadata}}
-            era5 = copy.deepcopy(conf)
-            conf = credit_rollout_config(conf, os.path.join(folder, "scalers"))
-            config = os.path.join(folder, "rollout.yml")
-            _write_yaml(config, conf)
-            era5_config = os.path.join(folder, "rollout-era5.yml")
-            _write_yaml(era5_config, era5)
-            credit_checkpoint(conf, os.path.join(conf["save_loc"], "checkpoint.pt"))  # as after 2 steps
-            began = time.perf_counter()
-            result = run_credit_rollout(config, timeout=600)
-            result["seconds"] = time.perf_counter() - began
-            outcome = {"folder": folder, "conf": conf, "config": config, "era5": era5, "era5_config": era5_config,
-                       "checkpoint": os.path.join(conf["save_loc"], "checkpoint.pt"), "credit": result}
+            outcome = cached("credit-rollout-case", base, prepare, keep=lambda o: o["credit"]["returncode"] == 0)
         except Exception as exc:  # noqa: BLE001 - shared, then raised on every rank
             outcome = {"error": f"{type(exc).__name__}: {exc}"}
     outcome = share(WORLD, outcome)

@@ -152,9 +152,10 @@ def test_converters_built_for_other_dims_are_refused():
 
 
 def test_padded_rows_that_cannot_be_dealt_raise(credit):
-    """160 padded rows in blocks of 32 fit 5 latitude ranks at most, as the converted model would say at 8."""
-    with pytest.raises(ValueError, match="use at most 5 latitude ranks"):
-        estimate_memory(crossformer_earth_padded(), (1, 6, 155, 56), 8)
+    """160 padded rows hold 10 groups of 16 (the product of the strides): 10 latitude ranks at most, as the
+    converted model would say at 16."""
+    with pytest.raises(ValueError, match="use at most 10 latitude ranks"):
+        estimate_memory(crossformer_earth_padded(), (1, 6, 155, 56), 16)
 
 
 def test_a_converted_model_is_refused():

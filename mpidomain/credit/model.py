@@ -52,13 +52,35 @@ def build_model(conf, manager, device):
         raise UsageError(f"model: CREDIT's load_model refused the model block ({type(error).__name__}: "
                          f"{str(error).splitlines()[0] if str(error) else ''})") from None
     if manager is not None and manager.domain_parallel_size > 1:
+        layout = 'x'.join(map(str, manager.domain_shape)) if manager.tiled else manager.domain_parallel_size
         try:
             model = convert_to_domain_parallel(model, manager=manager)
         except ValueError as error:
             raise UsageError(f"model.type = {conf['model'].get('type')!r}: cannot run it domain-parallel at "
-                             f"D={'x'.join(map(str, manager.domain_shape)) if manager.tiled else manager.domain_parallel_size}: "
-                             f"{str(error).splitlines()[0]}") from None
+                             f"D={layout}: {str(error).splitlines()[0]}") from None
+        problem = _padding_problem(model, conf["model"], manager)
+        if problem:
+            raise UsageError(f"model.padding_conf = {conf['model'].get('padding_conf')}: cannot run "
+                             f"{conf['model'].get('type')!r} at D={layout}: {problem}")
     return model.to(device)
+
+
+def _padding_problem(model, model_conf, manager):
+    """Why the converted model's padding cannot deal the config's grid over the manager's layout (and which
+    layouts can), or None: before any sample is read, not at the first step. Local and pure."""
+    from ..nn import DomainParallelTensorPadding
+
+    rows, columns = model_conf.get("image_height"), model_conf.get("image_width")
+    if not (isinstance(rows, int) and isinstance(columns, int)):
+        return None
+    for module in model.modules():
+        padding = getattr(module, "padding_opt", None)
+        if isinstance(padding, DomainParallelTensorPadding):
+            problem = padding.check_layout(rows, columns, manager.domain_shape if manager.tiled else
+                                           (manager.domain_parallel_size,))
+            if problem:
+                return problem
+    return None
 
 
 def unwrapped(model):

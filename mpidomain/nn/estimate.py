@@ -38,7 +38,7 @@ from . import rows
 from ._shard import Wrapper, shard_dims
 from .conv import DomainParallelPeriodicConv2d, _ForwardConv, _TransposedConv
 from .convert import convert_to_domain_parallel
-from .earth_padding import DomainParallelTensorPadding, aligned_extents
+from .earth_padding import DomainParallelTensorPadding, padded_extents
 from .halo import HaloExchange
 from .interpolate import DomainParallelInterpolate
 from .redistribution import Redistribute
@@ -221,12 +221,13 @@ class _Layout:
                 before, after = pads.get(d, (0, 0))
                 total = n + before + after
                 if d == -2:
-                    extents = aligned_extents(total, parts, padding.align[0])
+                    extents = padded_extents(total, parts, padding.align[0], padding.prefer)[0]
                     if extents is None:
                         raise ValueError(f"estimate_memory: {path or '<model>'} pads latitude to {total} rows, which "
-                                         f"cannot be cut into {parts} blocks of whole {padding.align[0]}-row groups "
-                                         f"(the model's strides and windows); the converted model would raise too; "
-                                         f"use at most {total // padding.align[0]} latitude ranks")
+                                         f"hold {total // padding.align[0]} whole {padding.align[0]}-row groups (the "
+                                         f"product of the model's strides), fewer than {parts} latitude ranks; the "
+                                         f"converted model would raise too; use at most "
+                                         f"{total // padding.align[0]} latitude ranks")
                 else:
                     own = balanced_split(n, parts)[0]
                     extents = tuple(e + (before if c == 0 else 0) + (after if c == parts - 1 else 0)

@@ -350,6 +350,7 @@ class _PaddingProbe:
     def __init__(self, padding, seen):
         self.mode, self.pad_lat, self.pad_lon, self.align = padding.mode, padding.pad_lat, padding.pad_lon, \
             padding.align[0]
+        self.prefer = padding.prefer
         self.seen = seen
 
     def pad(self, x):
@@ -415,7 +416,7 @@ def project_traffic(model, field_shape, d):
     the library refuses (more slabs than aligned blocks) is projected on balanced rows and noted.
     """
     from mpidomain.nn import rows
-    from mpidomain.nn.earth_padding import aligned_extents
+    from mpidomain.nn.earth_padding import padded_extents
     from mpidomain.layout.moves import window_move
     from mpidomain.layout.tiles import balanced_split
 
@@ -457,7 +458,7 @@ def project_traffic(model, field_shape, d):
             if out == "pad":
                 local = [e + (top if r == 0 else 0) + (bottom if r == d - 1 else 0)
                          for r, e in enumerate(extents(shape[-2]))]
-                target = aligned_extents(sum(local), d, module.align)
+                target = padded_extents(sum(local), d, module.align, module.prefer)[0]
                 if target is None:
                     traffic.notes.add(f"more slabs than {sum(local) // module.align} blocks of {module.align} rows: "
                                       "projected on balanced rows (the library needs tiles)")
