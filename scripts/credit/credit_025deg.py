@@ -17,7 +17,8 @@ two then differ by float32's reduction order over 1.3 million points, ~1e-5 of t
 D = 1). Printed: the largest
 difference of the output and of the parameter gradients (summed over the domain group), relative to the
 largest value; the latitude rows each rank holds at every stage; the bytes of activations each rank keeps
-for backward (``SavedActivations``) against one process's; the seconds of the step against one process's.
+for backward (``SavedActivations``) against one process's, and what ``estimate_memory`` (``credit train
+--estimate``) predicts for them; the seconds of the step against one process's.
 """
 
 import argparse
@@ -32,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from mpidomain import DomainParallelManager, gather_tensor, shard_tensor  # noqa: E402
 from mpidomain.models import credit_crossformer_module  # noqa: E402
-from mpidomain.nn import SavedActivations, allreduce_gradients, convert_to_domain_parallel  # noqa: E402
+from mpidomain.nn import SavedActivations, allreduce_gradients, convert_to_domain_parallel, estimate_memory  # noqa: E402
 
 WORLD = MPI.COMM_WORLD
 
@@ -109,6 +110,9 @@ def main():
             every = WORLD.gather((shard.shape[-2], dict(rows), saved, seconds), root=0)
             label = "x".join(map(str, shape)) if tiles else str(shape)
             if rank == 0:
+                estimate = estimate_memory(build(args.dim, args.depth), tuple(x.shape), shape)
+                print(f"D={label}: --estimate's activations per rank {estimate.ratio:.3f} of one process "
+                      f"({estimate.ratio * WORLD.size:.2f} / D)", flush=True)
                 want, want_grads, one_saved, one_seconds, _ = reference
                 d_out = float((whole - want).abs().max() / want.abs().max())
                 scale = max(float(g.abs().max()) for g in want_grads)
