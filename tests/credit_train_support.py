@@ -2,6 +2,7 @@
 session), and our training run in the test's own MPI world."""
 
 import copy
+import fcntl
 import json
 import os
 import shutil
@@ -22,9 +23,10 @@ LAYOUTS = {  # name: (domain, train_batch_size per group, world size)
 }
 
 
-def shared_folder(tmp_path_factory, name):
-    """A folder made by rank 0, the same path on every rank (with a cache, the same in every pass)."""
-    if CACHE:
+def shared_folder(tmp_path_factory, name, kept=False):
+    """A folder made by rank 0, the same path on every rank; ``kept``: with a cache, the same in every pass (for
+    the one-process references and their data only: every other folder is new in each pass)."""
+    if CACHE and kept:
         path = os.path.join(CACHE, name)
         if WORLD.rank == 0:
             os.makedirs(path, exist_ok=True)
@@ -37,15 +39,29 @@ def cached(name, key, compute, keep=lambda value: True):
     """``compute()``, or with a cache the value an earlier pass computed for the same ``key`` (JSON). Rank 0
     only (the others get it shared); a value ``keep`` refuses (a failed run) is not kept."""
     path = os.path.join(CACHE, f"{name}.json") if CACHE else None
-    if path and os.path.exists(path):
+    if path is None:
+        return compute()
+    with open(path + ".lock", "w") as lock:  # two passes at once (CI's serial pass runs in two): one computes
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _cached(path, key, compute, keep)
+
+
+def _cached(path, key, compute, keep):
+    key = json.loads(json.dumps(key))  # as it reads back
+    try:
         with open(path) as file:
             saved = json.load(file)
         if saved["key"] == key:
             return saved["value"]
+    except (OSError, ValueError, KeyError, TypeError):  # none yet, or unreadable: computed afresh
+        pass
     value = compute()
-    if path and keep(value):
-        write_json(path + ".partial", {"key": key, "value": value})
-        os.replace(path + ".partial", path)
+    try:
+        if keep(value):
+            write_json(path + ".partial", {"key": key, "value": value})
+            os.replace(path + ".partial", path)
+    except (OSError, TypeError, ValueError):  # not kept: the next pass computes it again
+        pass
     return value
 
 
@@ -59,7 +75,7 @@ def credit_data(tmp_path_factory):
     if "data" in _ONCE:
         return _ONCE["data"]
 
-    folder = shared_folder(tmp_path_factory, "credit-data")
+    folder = shared_folder(tmp_path_factory, "credit-data", kept=True)
     error = None
     if WORLD.rank == 0:
         try:
@@ -114,8 +130,11 @@ def credit_reference_accumulating(credit_data):
     conf = layout_conf(conf, os.path.join(folder, "credit-accumulating"), **ACCUMULATION)
     result = None
     if WORLD.rank == 0:
-        result = cached("credit-accumulating", conf, lambda: run_credit_train(
-            conf, os.path.join(folder, "credit-accumulating-files"), timeout=600), keep=_succeeded)
+        try:
+            result = cached("credit-accumulating", conf, lambda: run_credit_train(
+                conf, os.path.join(folder, "credit-accumulating-files"), timeout=600), keep=_succeeded)
+        except Exception as exc:  # noqa: BLE001 - shared below, raised on every rank
+            result = {"returncode": -1, "output": f"{type(exc).__name__}: {exc}", "steps": []}
     result = share(WORLD, result)
     if result["returncode"] != 0 or not result["steps"]:
         pytest.fail(f"CREDIT's credit train failed (status {result['returncode']}):\n{result['output'][-3000:]}")

@@ -70,7 +70,7 @@ def quarter_degree(tmp_path_factory):
 
     if "case" in _ONCE:
         return _ONCE["case"]
-    folder = shared_folder(tmp_path_factory, "credit-025deg")
+    folder = shared_folder(tmp_path_factory, "credit-025deg", kept=True)
     outcome = None
     if WORLD.rank == 0:
         try:

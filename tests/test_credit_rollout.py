@@ -60,7 +60,7 @@ def rollout_case(credit_data, tmp_path_factory):  # noqa: F811
     if "case" in _ONCE:
         return _ONCE["case"]
     data_folder, base = credit_data
-    folder = shared_folder(tmp_path_factory, "credit-rollout")
+    folder = shared_folder(tmp_path_factory, "credit-rollout", kept=True)
 
     def prepare():
         conf = copy.deepcopy(base)

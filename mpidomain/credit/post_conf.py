@@ -40,12 +40,15 @@ def model_fixers(model_conf, target_keys):
         raise UsageError("model.post_conf.tracer_fixer.denorm = False: thresholds in normalised units are not "
                          "applied by tile; give them in physical units with denorm: True")
     names = _listed(tracer.get("tracer_name") or [])
-    lows = _listed(tracer.get("tracer_thres"))
-    highs = tracer.get("tracer_thres_max")
-    highs = [None] * len(names) if highs is None else _listed(highs)
-    if not names or len(lows) != len(names) or len(highs) != len(names):
-        raise UsageError(f"model.post_conf.tracer_fixer: tracer_name {names}, tracer_thres {lows} and "
-                         f"tracer_thres_max {tracer.get('tracer_thres_max')}: expected one threshold per name")
+    lows, highs = tracer.get("tracer_thres"), tracer.get("tracer_thres_max")
+    lows = _listed(lows) if isinstance(lows, (list, tuple)) else [lows] * len(names)  # a number: for every name
+    highs = _listed(highs) if isinstance(highs, (list, tuple)) else [highs] * len(names)
+    numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in lows) and \
+        all(v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)) for v in highs)
+    if not names or not numbers or len(lows) != len(names) or len(highs) != len(names):
+        raise UsageError(f"model.post_conf.tracer_fixer: tracer_name {names}, tracer_thres "
+                         f"{tracer.get('tracer_thres')} and tracer_thres_max {tracer.get('tracer_thres_max')}: "
+                         "expected names and a number (or one per name) for each threshold")
     by_name = {key.split("/")[-1]: key for key in target_keys}
     missing = [name for name in names if name not in by_name]
     if missing:

@@ -183,7 +183,7 @@ class DomainParallelTensorPadding(torch.nn.Module):
         self.resize = None if resize is None else tuple(int(n) for n in resize)
         self.manager = manager
         self._input_extents = {}  # padded global rows -> the latitude extents pad() was given
-        self._last_input = None  # the latitude extents the last pad() was given
+        self._last_input = None  # (padded rows, the latitude extents, padded columns) of the last pad()
 
     @classmethod
     def from_tensor_padding(cls, padding, *, align=(1, 1), prefer=(), resize=None, manager=None):
@@ -275,7 +275,7 @@ class DomainParallelTensorPadding(torch.nn.Module):
         if problem:  # every rank computed the same layout: the same error everywhere
             raise ValueError(f"{name}(mode={self.mode!r}, pad_lat={self.pad_lat}, pad_lon={self.pad_lon}): {problem}")
         self._input_extents[padded_rows] = list(extents)
-        self._last_input = (padded_rows, list(extents))
+        self._last_input = (padded_rows, list(extents), sum(lon_extents) + left + right)
         if _wider_than_a_shard(self.mode, top, bottom, extents):
             # The pads span more than the edge shards: the edge rows gathered on the edge ranks first (a move),
             # then padded there, as one process pads them (slabs: the whole longitude is on every rank).
@@ -348,10 +348,13 @@ class DomainParallelTensorPadding(torch.nn.Module):
         manager, extents, lat, lon, lon_extents = self._layout(y, name)
         lats, lons = len(extents), len(lon_extents)
         (top, bottom), (left, right) = self.pad_lat, self.pad_lon
-        padded_rows = sum(extents)
-        inputs = self._input_extents.get(padded_rows)
-        if inputs is None and self.resize is not None and self._last_input is not None:
-            return self._unpad_resized(y, manager, extents, lat, lon, lon_extents, self._last_input)
+        padded_rows, last = sum(extents), self._last_input
+        if last is not None and (padded_rows, sum(lon_extents)) == (last[0], last[2]):
+            inputs = last[1]  # the rows and columns came back whole: the last pad()'s
+        elif last is not None and self.resize is not None:  # fewer came back: resampled to resize
+            return self._unpad_resized(y, manager, extents, lat, lon, lon_extents, last)
+        else:
+            inputs = self._input_extents.get(padded_rows)
         if inputs is None:  # no pad() of this size yet: the rows as shard_tensor deals them
             inputs = list(balanced_split(max(0, padded_rows - top - bottom), lats)[0])
         local = [n + (top if c == 0 else 0) + (bottom if c == lats - 1 else 0) for c, n in enumerate(inputs)]
@@ -374,7 +377,10 @@ class DomainParallelTensorPadding(torch.nn.Module):
         kept = [max(0, min(s + e, total - bottom) - max(s, top)) for s, e in zip(starts, extents)]
         columns = sum(lon_extents) - left - right
         problem = None
-        if lons > 1 and columns != self.resize[1]:
+        if sum(last[1]) != self.resize[0]:
+            problem = (f"the model's input had {sum(last[1])} rows, but its output is resampled to "
+                       f"image_height {self.resize[0]}; give the model fields of image_height rows")
+        elif lons > 1 and columns != self.resize[1]:
             problem = (f"the model gave back {columns} columns inside the pads, not {self.resize[1]}, on "
                        f"longitude tiles; resampling across longitude tiles is not built: use D_lon = 1")
         if problem:  # every rank computed the same layout

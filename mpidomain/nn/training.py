@@ -177,9 +177,10 @@ class _ForwardBuffers:
         self.versions = [b._version for b in self.buffers]
         self.before = [b.detach().clone() for b in self.buffers]
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc):  # only what the forward changed stays until the backward (a kernel may update a
+        # buffer without bumping its version, as batch norm's running statistics on some paths: compared too)
         self.before = [(b, value) for b, value, version in zip(self.buffers, self.before, self.versions)
-                       if b._version != version]  # only what the forward changed stays until the backward
+                       if b._version != version or not torch.equal(b, value)]
 
 
 class _RecomputeBuffers:
