@@ -65,6 +65,20 @@ def _cached(path, key, compute, keep):
     return value
 
 
+def on_rank0(what, compute):
+    """``compute()`` on rank 0 and its value on every rank; an exception there fails the test on every rank."""
+    outcome = None
+    if WORLD.rank == 0:
+        try:
+            outcome = {"value": compute()}
+        except Exception as exc:  # noqa: BLE001 - shared, then failed on every rank
+            outcome = {"error": f"{type(exc).__name__}: {exc}"}
+    outcome = share(WORLD, outcome)
+    if "error" in outcome:
+        pytest.fail(f"{what} failed: {outcome['error']}")
+    return outcome["value"]
+
+
 @pytest.fixture(scope="session")
 def credit_data(tmp_path_factory):
     """The synthetic CREDIT dataset (written once by rank 0) and its config: ``(folder, conf)``."""
@@ -76,15 +90,8 @@ def credit_data(tmp_path_factory):
         return _ONCE["data"]
 
     folder = shared_folder(tmp_path_factory, "credit-data", kept=True)
-    error = None
-    if WORLD.rank == 0:
-        try:
-            cached("credit-data", folder, lambda: write_synthetic_credit(folder) or folder)
-        except Exception as exc:  # noqa: BLE001 - shared below, raised on every rank
-            error = f"{type(exc).__name__}: {exc}"
-    error = share(WORLD, error)
-    if error:
-        pytest.fail(f"writing the synthetic dataset failed: {error}")
+    on_rank0("writing the synthetic dataset",
+             lambda: cached("credit-data", folder, lambda: write_synthetic_credit(folder) or folder))
     _ONCE["data"] = folder, synthetic_config(folder)
     return _ONCE["data"]
 
@@ -104,7 +111,7 @@ def credit_reference(credit_data):
     if WORLD.rank == 0:
         try:
             result = cached("credit-reference", conf, lambda: run_credit_train(
-                conf, os.path.join(folder, "credit-reference"), timeout=600), keep=_succeeded)
+                conf, os.path.join(folder, "credit-reference"), timeout=600), keep=succeeded)
         except Exception as exc:  # noqa: BLE001
             result = {"returncode": -1, "output": f"{type(exc).__name__}: {exc}", "steps": []}
         result["save_loc"] = conf["save_loc"]
@@ -132,7 +139,7 @@ def credit_reference_accumulating(credit_data):
     if WORLD.rank == 0:
         try:
             result = cached("credit-accumulating", conf, lambda: run_credit_train(
-                conf, os.path.join(folder, "credit-accumulating-files"), timeout=600), keep=_succeeded)
+                conf, os.path.join(folder, "credit-accumulating-files"), timeout=600), keep=succeeded)
         except Exception as exc:  # noqa: BLE001 - shared below, raised on every rank
             result = {"returncode": -1, "output": f"{type(exc).__name__}: {exc}", "steps": []}
     result = share(WORLD, result)
@@ -142,7 +149,8 @@ def credit_reference_accumulating(credit_data):
     return result
 
 
-def _succeeded(result):
+def succeeded(result):
+    """True for a reference run that ended well and recorded steps."""
     return result["returncode"] == 0 and bool(result["steps"])
 
 

@@ -17,8 +17,7 @@ import os
 
 import pytest
 
-from credit_train_support import WORLD, cached, fresh, shared_folder, step_losses, train_here
-from mpitest import share
+from credit_train_support import WORLD, cached, fresh, on_rank0, shared_folder, step_losses, succeeded, train_here
 
 pytestmark = [pytest.mark.credit, pytest.mark.slow]
 GRID = (241, 160)
@@ -71,21 +70,15 @@ def quarter_degree(tmp_path_factory):
     if "case" in _ONCE:
         return _ONCE["case"]
     folder = shared_folder(tmp_path_factory, "credit-025deg", kept=True)
-    outcome = None
-    if WORLD.rank == 0:
-        try:
-            cached("credit-025deg-data", folder, lambda: write_synthetic_credit(folder, GRID) or folder)
-            conf = shipped_config(folder)
-            conf["save_loc"] = os.path.join(folder, "credit-run")
-            reference = cached("credit-025deg", conf, lambda: run_credit_train(
-                conf, os.path.join(folder, "credit-files"), timeout=900),
-                keep=lambda r: r["returncode"] == 0 and bool(r["steps"]))
-            outcome = {"conf": conf, "reference": reference, "folder": folder}
-        except Exception as exc:  # noqa: BLE001 - shared, raised on every rank
-            outcome = {"error": f"{type(exc).__name__}: {exc}"}
-    outcome = share(WORLD, outcome)
-    if "error" in outcome:
-        pytest.fail(f"preparing the 0.25-degree case failed: {outcome['error']}")
+
+    def prepare():
+        cached("credit-025deg-data", folder, lambda: write_synthetic_credit(folder, GRID) or folder)
+        conf = dict(shipped_config(folder), save_loc=os.path.join(folder, "credit-run"))
+        reference = cached("credit-025deg", conf, lambda: run_credit_train(
+            conf, os.path.join(folder, "credit-files"), timeout=900), keep=succeeded)
+        return {"conf": conf, "reference": reference, "folder": folder}
+
+    outcome = on_rank0("preparing the 0.25-degree case", prepare)
     reference = outcome["reference"]
     if reference["returncode"] != 0 or not reference["steps"]:
         pytest.fail(f"CREDIT's credit train failed (status {reference['returncode']}):\n{reference['output'][-3000:]}")

@@ -25,7 +25,7 @@ import pandas as pd
 import pytest
 import yaml
 
-from credit_train_support import WORLD, cached, credit_data, shared_folder  # noqa: F401
+from credit_train_support import WORLD, cached, credit_data, on_rank0, shared_folder  # noqa: F401
 from mpitest import hiding_env, program_lines, run_mpi, share
 
 netCDF4 = pytest.importorskip("netCDF4")
@@ -86,15 +86,8 @@ def rollout_case(credit_data, tmp_path_factory):  # noqa: F811
         return {"folder": folder, "conf": conf, "config": config, "era5": era5, "era5_config": era5_config,
                 "checkpoint": os.path.join(conf["save_loc"], "checkpoint.pt"), "credit": result}
 
-    outcome = None
-    if WORLD.rank == 0:
-        try:
-            outcome = cached("credit-rollout-case", base, prepare, keep=lambda o: o["credit"]["returncode"] == 0)
-        except Exception as exc:  # noqa: BLE001 - shared, then raised on every rank
-            outcome = {"error": f"{type(exc).__name__}: {exc}"}
-    outcome = share(WORLD, outcome)
-    if "error" in outcome:
-        pytest.fail(f"preparing the rollout case failed: {outcome['error']}")
+    outcome = on_rank0("preparing the rollout case", lambda: cached(
+        "credit-rollout-case", base, prepare, keep=lambda o: o["credit"]["returncode"] == 0))
     if outcome["credit"]["returncode"] != 0:
         pytest.fail(f"CREDIT's credit rollout failed (status {outcome['credit']['returncode']}):\n"
                     f"{outcome['credit']['output'][-3000:]}")

@@ -191,11 +191,6 @@ class DomainParallelTensorPadding(torch.nn.Module):
         return cls(padding.mode, tuple(padding.pad_NS), tuple(padding.pad_WE), align=align, prefer=prefer,
                    resize=resize, manager=manager)
 
-    def extents(self, rows, parts):
-        """Return the latitude extents :meth:`pad` deals ``rows`` input rows into over ``parts`` ranks, or None
-        where it cannot (fewer whole ``align[0]``-row groups than parts). Local and pure."""
-        return padded_extents(rows + sum(self.pad_lat), parts, self.align[0], self.prefer)[0]
-
     def forward(self, x):
         """Return :meth:`pad` of ``x``."""
         return self.pad(x)
@@ -282,7 +277,7 @@ class DomainParallelTensorPadding(torch.nn.Module):
             edges = edge_extents(extents, top + (self.mode == "mirror"), bottom + (self.mode == "mirror"))
             x = _move(x, extents, edges, manager)
             last = max(c for c, n in enumerate(edges) if n)
-            y = self._pad_slab(x, lat == 0, lat == last)
+            y = self._pad_slab(x, manager, lat == 0, lat == last)
             local = [n + (top if c == 0 else 0) + (bottom if c == last else 0) for c, n in enumerate(edges)]
             return y if local == target else _move(y, local, target, manager)
         y = self._pad_in_place(x, manager, lat == 0, lat == lats - 1, lon == 0, lon == lons - 1, lons > 1)
@@ -291,27 +286,19 @@ class DomainParallelTensorPadding(torch.nn.Module):
             return y
         return _move(y, local, target, manager)
 
-    def _pad_slab(self, x, first, last):
+    def _pad_slab(self, x, manager, first, last):
         """Pad this rank's rows of a slab (the whole longitude here) as CREDIT pads the whole field: the top pad
         where ``first``, the bottom pad where ``last`` (this rank holds the rows each is made of). Local."""
+        if self.mode == "mirror":  # from the rank's own rows already (the tiles' path, without tiles)
+            return self._pad_in_place(x, manager, first, last, True, True, False)
         (top, bottom), (left, right) = self.pad_lat, self.pad_lon
-        n = x.shape[-2]
-        pieces = []
-        if self.mode == "earth":  # beyond each pole the near rows, half a turn of longitude away, mirrored
-            half = x.shape[-1] // 2
-            if first and top:
-                pieces.append(torch.flip(torch.roll(x[..., :top, :], half, -1), (-2,)))
-            pieces.append(x)
-            if last and bottom:
-                pieces.append(torch.flip(torch.roll(x[..., n - bottom:, :], half, -1), (-2,)))
-        else:  # mirror: the rows reflected about the edge row
-            if first and top:
-                pieces.append(x.index_select(-2, torch.arange(top, 0, -1, device=x.device)))
-            pieces.append(x)
-            if last and bottom:
-                pieces.append(x.index_select(-2, torch.arange(n - 2, n - 2 - bottom, -1, device=x.device)))
+        half, n = x.shape[-1] // 2, x.shape[-2]  # beyond each pole the near rows, half a turn away, mirrored
+        pieces = [torch.flip(torch.roll(x[..., :top, :], half, -1), (-2,))] if first and top else []
+        pieces.append(x)
+        if last and bottom:
+            pieces.append(torch.flip(torch.roll(x[..., n - bottom:, :], half, -1), (-2,)))
         x = torch.cat(pieces, dim=-2) if len(pieces) > 1 else x
-        if left or right:  # longitude circular in both modes
+        if left or right:  # longitude circular
             x = torch.cat([x[..., x.shape[-1] - left:], x, x[..., :right]], dim=-1)
         return x
 

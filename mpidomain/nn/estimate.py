@@ -222,12 +222,10 @@ class _Layout:
                 total = n + before + after
                 if d == -2:
                     extents = padded_extents(total, parts, padding.align[0], padding.prefer)[0]
-                    if extents is None:
-                        raise ValueError(f"estimate_memory: {path or '<model>'} pads latitude to {total} rows, which "
-                                         f"hold {total // padding.align[0]} whole {padding.align[0]}-row groups (the "
-                                         f"product of the model's strides), fewer than {parts} latitude ranks; the "
-                                         f"converted model would raise too; use at most "
-                                         f"{total // padding.align[0]} latitude ranks")
+                    if extents is None:  # the converted model's own words
+                        raise ValueError(f"estimate_memory: {path or '<model>'}: "
+                                         f"{padding.layout_problem(balanced_split(n, parts)[0])}; the converted "
+                                         "model would raise too")
                 else:
                     own = balanced_split(n, parts)[0]
                     extents = tuple(e + (before if c == 0 else 0) + (after if c == parts - 1 else 0)
