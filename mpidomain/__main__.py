@@ -19,7 +19,7 @@ from . import binding
 from .cli import check, info
 from ._errors import rank_ranges
 from ._mpi import mpi
-from .command import Requirement, UsageError, positive_int, require, run_command
+from .command import Requirement, UsageError, add_rng_option, positive_int, require, run_command
 from .credit.command import add_commands as add_credit_commands, run as run_credit
 from .manager import initialize_domain_parallel, library_comm
 
@@ -141,6 +141,7 @@ def _forecast_options(parser):
     parser.add_argument("--estimate", action="store_true",
                         help="print the predicted activation memory per rank for this layout, then stop")
     _training_stack_options(parser)
+    add_rng_option(parser)
 
 
 def _training_stack_options(parser):
@@ -276,7 +277,7 @@ def _forecast(args):
         model=args.model, dtype=args.dtype, grid=args.grid, times=args.times, lr=args.lr, seed=args.seed,
         resume=args.resume, stop_after=args.stop_after, estimate=args.estimate, checkpoint_every=args.checkpoint_every,
         keep=args.keep, stop_signals=args.stop_signals, skip_nan=args.skip_nan, compile=args.compile,
-        activation_checkpoint=args.activation_checkpoint, amp=args.amp)
+        activation_checkpoint=args.activation_checkpoint, amp=args.amp, rng=args.rng)
     required, optional = requirements(settings)
     require("forecast", required, optional=optional)  # before the job's modules import them
     from .forecast.job import run_forecast

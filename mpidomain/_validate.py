@@ -33,3 +33,15 @@ def normalize_dim(dim, shape, name="dim"):
             f"pass a {name} between {-ndim} and {ndim - 1}"
         )
     return int(dim) % ndim
+
+
+#: How a converted model's random layers draw (:mod:`mpidomain.nn.rng`; the command lines' ``--rng``).
+RNG_MODES = ("tile", "one-process")
+
+
+def check_rng(rng, name="rng"):
+    """Return ``rng`` if it is one of :data:`RNG_MODES`; ValueError naming ``name`` otherwise."""
+    if rng not in RNG_MODES:
+        raise ValueError(f"{name} must be 'tile' (each rank its own stream, the default) or 'one-process' (the "
+                         f"draws of one process), got {rng!r}")
+    return rng

@@ -31,9 +31,10 @@ from typing import Optional
 from ._agreement import agree
 from ._errors import describe_error, raised_alike, raised_alike_on
 from ._mpi import mpi
+from ._validate import RNG_MODES
 
-__all__ = ["Requirement", "UsageError", "agreed", "decided", "positive_int", "probe_writable", "require", "run_command",
-           "world"]
+__all__ = ["Requirement", "UsageError", "add_rng_option", "agreed", "decided", "positive_int", "probe_writable",
+           "require", "run_command", "world"]
 
 #: How long a rank whose command failed, with no agreement step settling it, waits for the other ranks to fail too
 #: before it aborts the job (seconds); longer for a :class:`UsageError`, which every rank raises from the same inputs.
@@ -237,6 +238,16 @@ def run_command(command, work):
             return _status(error)
         return _failed_alone(command, comm, error, claimed=ranks == 0 and isinstance(error, UsageError))
     return 0 if status is None else status
+
+
+def add_rng_option(parser):
+    """Add ``--rng tile|one-process`` (how the converted model's random layers draw) to ``parser``."""
+    parser.add_argument("--rng", choices=RNG_MODES, default="tile",
+                        help="how dropout inside the converted model draws: tile (default), each rank its tile's "
+                             "mask from its own stream, seeded from the seed and its place, reproducible at a "
+                             "fixed layout; one-process, bitwise the masks one process draws, at any layout (each "
+                             "dropout draws the whole field's mask: one process's activation of that layer, "
+                             "transient, and the time to draw it)")
 
 
 def positive_int(text):

@@ -107,13 +107,14 @@ def custom_converters(shard_dim=-2, manager=None):
     return {PeriodicConv: lambda m: _periodic_conv(m, shard_dim, manager)}
 
 
-def convert_model(model, manager):
+def convert_model(model, manager, rng="tile"):
     """Return ``model`` (a :class:`UNet`, a :class:`FieldCrossFormer` or any convertible model) domain-parallel.
 
     Converts in place, as :func:`mpidomain.nn.convert_to_domain_parallel` does, with :data:`RULES` (the rule
-    for :class:`PeriodicConv`). Local: every rank converts its own copy alike; the state dict keys do not change.
+    for :class:`PeriodicConv`) and its random layers drawing as ``rng`` says. Local: every rank converts its own
+    copy alike; the state dict keys do not change.
     """
-    return convert_to_domain_parallel(model, manager=manager, rules=RULES)
+    return convert_to_domain_parallel(model, manager=manager, rules=RULES, rng=rng)
 
 
 def _post_block_placeholder(error):

@@ -123,18 +123,26 @@ def credit_reference(credit_data):
 
 
 ACCUMULATION = {"grad_accum_every": 2, "activation_checkpoint": True, "grad_max_norm": 0.5}
+DROPOUT = {"attn_dropout": 0.1, "ff_dropout": 0.1}  # drawn as one process draws them: --rng one-process
+
+
+def accumulating_conf(conf, save_loc):
+    """``conf`` with :data:`ACCUMULATION`'s trainer keys and :data:`DROPOUT` in the model."""
+    conf = layout_conf(conf, save_loc, **ACCUMULATION)
+    conf["model"].update(DROPOUT)
+    return conf
 
 
 @pytest.fixture(scope="session")
 def credit_reference_accumulating(credit_data):
-    """CREDIT's ``credit train`` with gradient accumulation over 2 steps, activation checkpointing and a numeric
-    ``grad_max_norm`` (rank 0, once per session)."""
+    """CREDIT's ``credit train`` with gradient accumulation over 2 steps, activation checkpointing, a numeric
+    ``grad_max_norm`` and dropout in the model (rank 0, once per session)."""
     from mpidomain.credit.reference import run_credit_train
 
     if "accumulating" in _ONCE:
         return _ONCE["accumulating"]
     folder, conf = credit_data
-    conf = layout_conf(conf, os.path.join(folder, "credit-accumulating"), **ACCUMULATION)
+    conf = accumulating_conf(conf, os.path.join(folder, "credit-accumulating"))
     result = None
     if WORLD.rank == 0:
         try:

@@ -325,16 +325,17 @@ def test_a_layer_error_in_a_compiled_model_raises_on_every_rank(world):
 @pytest.mark.slow
 def test_compiled_crossformer_equals_eager(world):
     """CREDIT's CrossFormer (tests/test_credit_models.py's: Earth padding, 123 uneven rows, short and long windows,
-    spectral norm), float64, aot_eager, fullgraph: slabs of D = 1 and 2 on one and two ranks, 2 x 2 tiles on four
-    (one layout per world: a compilation costs 95 s at four ranks on two cores; D = 4 slabs of the same moves are
-    test_compiled_padding_and_window_attention_equal_eager's)."""
+    spectral norm), float64, aot_eager, fullgraph: slabs of D = 1 and 2 on one and two ranks (a compilation costs
+    95 s at four ranks on two cores; the moves of D = 4 slabs and 2 x 2 tiles, Earth padding and window attention,
+    compile in test_compiled_padding_and_window_attention_equal_eager at every layout)."""
     import credit_models
     from test_credit_models import _agreed_skip, small_crossformer
 
+    if world.size > 2:
+        pytest.skip("compiled at D = 1 and 2; four ranks compile the same operators with other extents")
     module = _agreed_skip(world, credit_models.crossformer)
     problems = []
-    for label, shape, shard_dim in [("2x2", (2, 2), (-2, -1)) if world.size == 4 else
-                                    (f"D={world.size}", world.size, -2)]:
+    for label, shape, shard_dim in [(f"D={world.size}", world.size, -2)]:
         with DomainParallelManager(world.size, shape, shard_dim=shard_dim) as manager:
             model, x = small_crossformer(module)
             model = convert_to_domain_parallel(model, manager=manager)

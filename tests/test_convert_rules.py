@@ -53,16 +53,17 @@ def test_report_lists_what_was_converted_and_what_stayed_local_and_why():
     converted, report = convert_to_domain_parallel(model, report=True)
     assert converted is model and isinstance(report, ConversionReport)
     done = dict(report.converted)
-    assert done == {"0": "Conv2d -> DomainParallelConv2d", "5": "MaxPool2d -> DomainParallelMaxPool2d",
-                    "6": "GroupNorm -> DomainParallelGroupNorm", "7.0": "Conv2d -> DomainParallelConv2d",
+    assert done == {"0": "Conv2d -> DomainParallelConv2d", "3": "Dropout -> DomainParallelDropout (rng='tile')",
+                    "5": "MaxPool2d -> DomainParallelMaxPool2d", "6": "GroupNorm -> DomainParallelGroupNorm",
+                    "7.0": "Conv2d -> DomainParallelConv2d",
                     "8": "AdaptiveAvgPool2d -> DomainParallelAdaptiveAvgPool2d"}
     local = dict(report.local)
     assert local["1"].startswith("ChannelNorm: its children are decided; its own forward is not seen")
     assert local["1.norm"].startswith("LayerNorm: acts on the last dim only")
-    assert local["2"] == "SiLU: pointwise activation" and local["3"].startswith("Dropout: elementwise dropout")
+    assert local["2"] == "SiLU: pointwise activation"
     assert local["4"].startswith("Conv2d: pointwise along the sharded dims")
     assert local["7.1"].startswith("PixelShuffle: each input row makes r output rows")
-    assert "7.1: PixelShuffle" in str(report) and "converted (5):" in str(report)
+    assert "7.1: PixelShuffle" in str(report) and "converted (6):" in str(report)
     assert type(model[5]) is DomainParallelMaxPool2d and type(model[8]) is DomainParallelAdaptiveAvgPool2d
 
 

@@ -5,8 +5,10 @@ exit status 2, before any rank trains; a stop signal on one rank ends every rank
 a checkpoint and exit status 0, and ``--resume auto`` finishes the run; ``--estimate`` runs in one process.
 """
 
+import copy
 import json
 import os
+import re
 
 import pytest
 import yaml
@@ -36,7 +38,8 @@ def test_help_imports_neither_torch_nor_credit():
     status, out, err = done
     assert status == 0, err
     assert "{train,rollout}" in out and out.strip().endswith("[]"), out
-    assert all(option in out for option in ("--compile", "--activation-checkpoint", "--amp {bf16}")), out
+    assert all(option in out for option in ("--compile", "--activation-checkpoint", "--amp {bf16}",
+                                            "--rng {tile,one-process}")), out
 
 
 def test_refused_key_and_bad_data_are_one_line_and_exit_2(credit_data):
@@ -93,13 +96,19 @@ def test_a_signal_on_one_rank_stops_every_rank_and_resume_auto_finishes(credit_d
 
 
 def test_estimate_runs_in_one_process(credit_data):
+    """--estimate -D 2x2 --rng one-process on a model with dropout: the memory lines and what the dropout draws."""
     folder, conf = credit_data
+    conf = copy.deepcopy(conf)
+    conf["model"].update(attn_dropout=0.1, ff_dropout=0.1)
     path = _config(folder, "estimate.yml", conf)
-    done = run_python([*COMMAND, "-c", path, "--estimate", "-D", "2x2"], timeout=300) if WORLD.rank == 0 else None
+    done = run_python([*COMMAND, "-c", path, "--estimate", "-D", "2x2", "--rng", "one-process"], timeout=300) \
+        if WORLD.rank == 0 else None
     status, out, err = share(WORLD, None if done is None else (done.returncode, done.stdout, done.stderr))
     assert status == 0, err
     assert "estimate for D=2x2 (tiles) on 48 x 64" in out
     assert "bytes read per rank per optimizer step" in out and "CREDIT's pattern" in out
+    assert re.search(r"dropout \(\d+ calls per forward\), --rng one-process: each rank draws the whole field's "
+                     r"masks, [\d.]+ MiB per forward, the largest [\d.]+ MiB at once", out), out
 
 
 
@@ -112,9 +121,9 @@ MISSING = [  # (hidden, what the line says, its install line)
 
 
 def test_a_missing_package_is_one_line_on_every_rank_within_seconds(credit_data, tmp_path_factory):
-    """Each package hidden from every rank of a 4-rank job (tests/hide/sitecustomize.py): one line from rank 0
-    naming it, what needs it and its install line; exit status 2, no traceback, well under the wait timeout;
-    nothing written in save_loc."""
+    """Each package hidden from every rank of a 2-rank job (tests/hide/sitecustomize.py; two ranks show "every
+    rank" as four do, at half the start-up): one line from rank 0 naming it, what needs it and its install line;
+    exit status 2, no traceback, well under the wait timeout; nothing written in save_loc."""
     from mpitest import hiding_env
 
     folder, conf = credit_data
@@ -127,7 +136,7 @@ def test_a_missing_package_is_one_line_on_every_rank_within_seconds(credit_data,
         outcomes = []
         for hidden, _, _ in MISSING:
             began = time.perf_counter()
-            done = run_mpi(4, [*COMMAND, "-c", path], timeout=180, env=hiding_env(hide=(hidden,)))
+            done = run_mpi(2, [*COMMAND, "-c", path], timeout=180, env=hiding_env(hide=(hidden,)))
             outcomes.append((done.returncode, program_lines(done.stderr), "Traceback" in done.stderr,
                              time.perf_counter() - began, os.path.isdir(save_loc)))
     outcomes = share(WORLD, outcomes)

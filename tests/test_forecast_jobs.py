@@ -337,6 +337,7 @@ def test_every_option_with_a_bad_value_is_one_line_and_status_2(world, tmp_path)
             ("--data", ["--data", os.path.join(out, "forecast.zarr"), "--out", out]),
             ("--out", ["--out", str(used)]), ("--lr", ["--lr", "1e30", "--skip-nan", "--out", out + "-diverging"]),
             ("--amp", ["--amp", "fp8"]), ("--amp", ["--amp", "bf16", "--dtype", "float64"]),
+            ("--rng", ["--rng", "per-rank"]),
         ]
         other = [("--halo-width", ["check", "--halo-width", "0"]), ("--repeats", ["check", "--repeats", "0"]),
                  ("--shape", ["check", "--shape", "1,2"]), ("--tensor-parallel-size", ["check", "-T", "0"]),

@@ -11,7 +11,7 @@ import resource
 import sys
 
 from .._errors import raised_alike
-from ..command import Requirement, UsageError, positive_int, require, world
+from ..command import Requirement, UsageError, add_rng_option, positive_int, require, world
 
 __all__ = ["add_commands", "run"]
 
@@ -91,6 +91,7 @@ def add_commands(subparsers):
     train.add_argument("--amp", choices=("bf16",), default=None,
                        help="train under torch.autocast to bfloat16 on any device (overrides trainer.amp, which is "
                             "float16 with a scaler on CUDA and nothing on a CPU, as in CREDIT)")
+    add_rng_option(train)
     rollout = subparsers.add_parser("rollout", help="forecast from a CREDIT gen2 checkpoint on tiles, writing "
                                     "CREDIT's forecast files and the scores", description=_ROLLOUT_HELP,
                                     formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -121,6 +122,7 @@ def add_commands(subparsers):
     rollout.add_argument("--compile", action="store_true", help="compile the model with torch.compile")
     rollout.add_argument("--amp", choices=("bf16",), default=None,
                          help="run the model under torch.autocast to bfloat16 (default: the model's dtype)")
+    add_rng_option(rollout)
     return train, rollout
 
 
@@ -208,7 +210,7 @@ def _train(args):
     if args.estimate:
         from .estimate import estimate_lines
 
-        for line in estimate_lines(settings):
+        for line in estimate_lines(settings, args.rng):
             _say(line)
         return 0
     import torch
@@ -222,7 +224,7 @@ def _train(args):
         options = TrainOptions(resume=args.resume, checkpoint_every=args.checkpoint_every, keep=args.keep,
                                stop_signals=args.stop_signals, skip_nan=args.skip_nan, stop_after=args.stop_after,
                                config_path=os.path.abspath(args.config), progress="tqdm" not in missing_optional,
-                               amp=args.amp)
+                               amp=args.amp, rng=args.rng)
         layout = "x".join(map(str, settings.domain))
         _say(f"mpidomain credit train: {comm.Get_size()} ranks = {manager.data_parallel_size} data-parallel group(s) "
              f"x D={layout} ({'tiles' if manager.tiled else 'latitude slabs'}); config {args.config}; save_loc "
@@ -323,7 +325,7 @@ def _rollout(args):
         _say(f"mpidomain credit rollout: {comm.Get_size()} ranks = {manager.data_parallel_size} group(s) x "
              f"D={layout} ({'tiles' if manager.tiled else 'latitude slabs'}); config {args.config}")
         options = RolloutOptions(checkpoint=args.checkpoint, climatology=args.climatology, scores=args.scores,
-                                 compile=args.compile, amp=args.amp)
+                                 compile=args.compile, amp=args.amp, rng=args.rng)
         summary = rollout(conf, settings, options, manager, say=_say)
         _rollout_summary(summary, settings, manager, layout, options.stack().summary())
     finally:

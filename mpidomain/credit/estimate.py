@@ -41,12 +41,13 @@ def sample_bytes(settings, shape, domain):
     return read_channels * cell, held_channels * cell, read_channels * whole, held_channels * whole
 
 
-def estimate_lines(settings):
-    """The lines ``--estimate`` prints for ``settings`` (its domain layout). Local; builds the model on the CPU."""
+def estimate_lines(settings, rng="tile"):
+    """The lines ``--estimate`` prints for ``settings`` (its domain layout) and ``--rng``. Local; builds the model
+    on the CPU."""
     import torch
     from credit.seed import seed_everything
 
-    from ..nn import estimate_memory
+    from ..nn import estimate_draws, estimate_memory
     from .model import build_model
 
     model_conf = settings.conf["model"]
@@ -55,12 +56,23 @@ def estimate_lines(settings):
     model = build_model(settings.conf, None, torch.device("cpu"))
     inputs, _, _, _ = _channels(settings)
     layout = settings.domain if len(settings.domain) == 2 else settings.domain[0]
-    activations = estimate_memory(model, (settings.batch, inputs, settings.data.history_len) + shape, layout)
+    input_shape = (settings.batch, inputs, settings.data.history_len) + shape
+    activations = estimate_memory(model, input_shape, layout)
+    draws = estimate_draws(model, input_shape)
     parameters = sum(p.numel() * p.element_size() for p in model.parameters())
     state = parameters * (4 + (1 if settings.use_ema else 0))  # weights, gradients, AdamW's two moments, EMA
     read, held, read_whole, held_whole = sample_bytes(settings, shape, settings.domain)
     mib = lambda n: f"{n / 2**20:.1f} MiB"  # noqa: E731
     name = "x".join(map(str, settings.domain))
+    ranks = 1
+    for d in settings.domain:
+        ranks *= d
+    dropout = [] if not draws.calls else [
+        f"  dropout ({draws.calls} calls per forward), --rng {rng}: " + (
+            f"each rank draws the whole field's masks, {mib(draws.total_bytes)} per forward, the largest "
+            f"{mib(draws.largest_bytes)} at once (transient)" if rng == "one-process" else
+            f"each rank draws its tile's masks, about {mib(draws.total_bytes / ranks)} per forward (--rng "
+            f"one-process: {mib(draws.total_bytes)}, the largest {mib(draws.largest_bytes)} at once)")]
     return [
         f"estimate for D={name} ({'tiles' if len(settings.domain) == 2 else 'latitude slabs'}) on {shape[0]} x "
         f"{shape[1]}, batch {settings.batch} per group, forecast_len {settings.data.forecast_len}, "
@@ -74,4 +86,4 @@ def estimate_lines(settings):
         f"{mib(read_whole)}",
         f"  total per rank: about {mib(activations.bytes_per_rank + state + held)} (CREDIT's pattern at the same "
         f"activations: {mib(activations.bytes_per_rank + state + held_whole)})",
-    ]
+    ] + dropout

@@ -35,8 +35,9 @@ def training_conf(conf):
     return conf, bool(isinstance(post_conf, dict) and post_conf.get("activate"))
 
 
-def build_model(conf, manager, device):
-    """Return CREDIT's model of ``conf`` (``load_model``), converted for ``manager`` and on ``device``.
+def build_model(conf, manager, device, rng="tile"):
+    """Return CREDIT's model of ``conf`` (``load_model``), converted for ``manager`` (its random layers drawing
+    as ``rng`` says: :mod:`mpidomain.nn.rng`) and on ``device``.
 
     Local; call on every rank alike after seeding (every rank builds the same weights). A model the converter
     cannot make exact raises :class:`UsageError` naming it.
@@ -54,10 +55,12 @@ def build_model(conf, manager, device):
     if manager is not None and manager.domain_parallel_size > 1:
         layout = 'x'.join(map(str, manager.domain_shape)) if manager.tiled else manager.domain_parallel_size
         try:
-            model = convert_to_domain_parallel(model, manager=manager)
+            model = convert_to_domain_parallel(model, manager=manager, rng=rng)
         except ValueError as error:
+            lines = str(error).splitlines()
             raise UsageError(f"model.type = {conf['model'].get('type')!r}: cannot run it domain-parallel at "
-                             f"D={layout}: {str(error).splitlines()[0]}") from None
+                             f"D={layout}{' with --rng ' + rng if rng != 'tile' else ''}: "
+                             f"{'; '.join(line.strip() for line in lines[:-1] or lines)}") from None
         problem = _padding_problem(model, conf["model"], manager)
         if problem:
             raise UsageError(f"model.padding_conf = {conf['model'].get('padding_conf')}: cannot run "

@@ -61,6 +61,8 @@ class RolloutOptions:
     :param amp: ``"bf16"``: run the model under ``torch.autocast`` to bfloat16 (its output back in float32 before
         the postblocks); None: the model's dtype.
     :param compile_backend: ``torch.compile``'s backend with ``compile`` (no option: ``"aot_eager"`` for tests).
+    :param rng: How the converted model's random layers draw (:mod:`mpidomain.nn.rng`); the rollout runs the
+        model in eval mode (as CREDIT's), where dropout draws nothing.
     """
 
     checkpoint: Optional[str] = None
@@ -69,6 +71,7 @@ class RolloutOptions:
     compile: bool = False
     amp: Optional[str] = None
     compile_backend: str = "inductor"
+    rng: str = "tile"
 
     def stack(self):
         """The :class:`~mpidomain.nn.TrainingOptions` of ``compile`` and ``amp`` (no backward to checkpoint for)."""
@@ -393,7 +396,8 @@ def _prepare(conf, settings, options, manager, say):
         say(fixing)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     seed_everything(int(conf.get("seed", 42)))  # as credit rollout: the weights come from the checkpoint anyway
-    model = agreed(world, "credit rollout: building the model", lambda: build_model(rconf, manager, device))
+    model = agreed(world, "credit rollout: building the model",
+                   lambda: build_model(rconf, manager, device, options.rng))
     path = options.checkpoint if options.checkpoint else agreed(world, "credit rollout: the checkpoint",
                                                                 lambda: default_checkpoint(conf))
     path = os.path.expandvars(path)

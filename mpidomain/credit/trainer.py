@@ -59,6 +59,7 @@ class TrainOptions:
     config_path: Optional[str] = None       # copied to save_loc/model.yml, as credit train does
     progress: bool = True
     amp: Optional[str] = None               # "bf16": autocast to bfloat16 (overrides trainer.amp)
+    rng: str = "tile"                       # how the converted model's dropout draws (mpidomain.nn.rng)
 
 
 class _Skip(torch.utils.data.Sampler):
@@ -169,7 +170,7 @@ class _Run:
         self.blocks = agreed(world, "credit train: the pre- and postblocks", lambda: Blocks(settings.conf, settings))
         seed_everything(settings.seed)  # every rank builds the same weights, those of credit train
         model = agreed(world, "credit train: building the model",
-                       lambda: build_model(settings.conf, self.manager, self.device))
+                       lambda: build_model(settings.conf, self.manager, self.device, self.options.rng))
         self.model, self.autocast, self.scaler, self.stack, checkpointed = training_wrappers(
             model, settings, self.device, self.manager, self.options.amp)
         if settings.activation_checkpoint and not checkpointed:
@@ -251,6 +252,11 @@ class _Run:
             for group in self.optimizer.param_groups:
                 group["lr"] = settings.learning_rate
         self.step = start_epoch * self._epoch_steps()
+        if self.manager.dp_rank == 0:
+            # CREDIT's fit fetches one batch on its rank 0 before training (trainers/preflight.py,
+            # check_dataloader_startup): a DataLoader iterator, which draws its base seed from torch's default
+            # generator. Drawn alike here, so that the dropout masks follow as CREDIT's do (--rng one-process).
+            torch.empty((), dtype=torch.int64).random_()
         return start_epoch, epoch_step
 
     def _load_weights(self, state, path, strict=True):

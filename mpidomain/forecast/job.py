@@ -262,7 +262,7 @@ class _Job:
 
         def build():
             try:
-                return convert_model(self.single_model(name), self.manager)
+                return convert_model(self.single_model(name), self.manager, self.settings.rng)
             except ValueError as error:
                 raise UsageError(f"--model {name} on {self._where()}: {error}") from None
         return agreed(self.world, f"forecast: building the {name} model", build)

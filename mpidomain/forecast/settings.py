@@ -4,6 +4,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional, Tuple, Union
 
+from .._validate import RNG_MODES
 from ..command import Requirement
 from ..preemption import signal_number
 
@@ -51,6 +52,8 @@ class ForecastSettings:
         model's dtype.
     :param compile_backend: ``torch.compile``'s backend with ``compile`` (no option: ``"aot_eager"`` compiles
         without generating kernels, for tests).
+    :param rng: How the converted model's random layers draw: ``"tile"`` or ``"one-process"``
+        (:mod:`mpidomain.nn.rng`).
     """
 
     data: Optional[str] = None
@@ -79,6 +82,7 @@ class ForecastSettings:
     activation_checkpoint: bool = False
     amp: Optional[str] = None
     compile_backend: str = "inductor"
+    rng: str = "tile"
 
     def problems(self, world_size):
         """Return what is wrong with these settings for ``world_size`` ranks, one line each (empty: fine)."""
@@ -88,6 +92,8 @@ class ForecastSettings:
                 found.append(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.checkpoint_every is not None and self.checkpoint_every < 1:
             found.append(f"--checkpoint-every must be >= 1, got {self.checkpoint_every}")
+        if self.rng not in RNG_MODES:
+            found.append(f"--rng must be one of {', '.join(RNG_MODES)}, got {self.rng!r}")
         if not 0 <= self.seed <= MAX_SEED:
             found.append(f"--seed must be from 0 to {MAX_SEED}, got {self.seed}")
         if self.variables is not None and len(set(self.variables)) != len(self.variables):

@@ -33,7 +33,7 @@ from .._validate import require_int
 from .tiles import balanced_split
 
 __all__ = ["Layout", "RowMove", "contiguous_layout", "short_window_layout", "long_window_layout", "window_move",
-           "WINDOW_KINDS"]
+           "window_numbers", "WINDOW_KINDS"]
 
 WINDOW_KINDS = ("short", "long")
 
@@ -191,3 +191,19 @@ def _window_move(kind, extents, window):
         raise ValueError(f"kind must be 'short' or 'long', got {kind!r}")
     make = short_window_layout if kind == "short" else long_window_layout
     return RowMove(contiguous_layout(extents), make(sum(extents), window, len(extents)))
+
+
+def window_numbers(kind, rows, extent, window):
+    """Return the global numbers of the windows a rank's ``rows`` hold, in the order its rearrange finds them.
+
+    ``rows``: the global rows the rank holds along a dim of ``extent`` rows, in local order (a
+    ``window_move`` target's ``rows_of``, or all of them). ``"short"``: window ``k`` is local rows
+    ``[k * window, (k + 1) * window)``, global window ``row // window``; ``"long"``: window ``j`` is
+    local rows ``l1 * n + j``, global group ``row % (extent // window)`` (the number CREDIT's
+    ``rearrange(x, "b d (l1 h) (l2 w) -> (b h w) d l1 l2")`` gives it on one process).
+    """
+    count = len(rows) // window
+    if kind == "short":
+        return tuple(rows[k * window] // window for k in range(count))
+    groups = extent // window
+    return tuple(rows[j] % groups for j in range(count))

@@ -11,7 +11,8 @@ from .blocks import DomainParallelCoordinateAttention
 from .builtin_rules import BUILTIN_RULES, rules_table
 from .convert import ConversionReport, convert_to_domain_parallel
 from .earth_padding import DomainParallelTensorPadding
-from .estimate import MemoryEstimate, estimate_memory
+from .dropout import DomainParallelDropout
+from .estimate import DrawEstimate, MemoryEstimate, estimate_draws, estimate_memory
 from .gradients import allreduce_gradients
 from .halo import HaloExchange
 from .interpolate import DomainParallelInterpolate
@@ -42,6 +43,7 @@ __all__ = [
     "DomainParallelInterpolate",
     "DomainParallelTensorPadding",
     "DomainParallelWindowAttention",
+    "DomainParallelDropout",
     "Redistribute",
     "WindowAttentionSpec",
     "window_attention_spec",
@@ -65,6 +67,8 @@ __all__ = [
     "set_overlap",
     "MemoryEstimate",
     "estimate_memory",
+    "DrawEstimate",
+    "estimate_draws",
     "latitude_weights",
     "LatitudeWeightedMSE",
     "latitude_weighted_rmse",

@@ -10,6 +10,7 @@ import torch
 
 from ._shard import Wrapper, shard_dims
 from .blocks import BLOCK_CONVERTERS, CHILD_RULES
+from .dropout import DomainParallelDropout
 from .conv import (DomainParallelConv2d, DomainParallelConv3d, DomainParallelConvTranspose2d,
                    DomainParallelConvTranspose3d, conv_padding)
 from .earth_padding import DomainParallelTensorPadding
@@ -32,7 +33,8 @@ nn = torch.nn
 LOCAL_REASONS = {
     "activation": "pointwise activation",
     "identity": "identity",
-    "dropout": "elementwise dropout (each rank draws its own mask, as another seed would)",
+    "drop path": ("draws one value per sample (a (B, 1, ...) mask) from torch's default generator, which advances "
+                  "alike on every rank of a domain group: the same on every shard, as one process draws it"),
     "pointwise conv": "pointwise along the sharded dims (kernel 1, stride 1, no padding there)",
     "transposed kernel = stride": "each input row makes its own stride output rows (kernel = stride, no padding)",
     "pixel shuffle": ("each input row makes r output rows: shard rows [a, b) become [r*a, r*b), as a transposed "
@@ -61,6 +63,11 @@ _REFUSALS = {
     "indices": "return_indices=True: the indices would be local to each shard",
     "channel dropout": ("drops whole channels of the field: each rank would draw its own channel mask, so a channel "
                         "would be dropped on some shards only"),
+    "rrelu": ("rng='one-process' cannot draw RReLU's slopes as one process: one process draws one for each "
+              "negative input of the whole field, in order, which depends on other ranks' values; use LeakyReLU, "
+              "or rng='tile'"),
+    "random in window attention": ("rng='one-process' reproduces only the window attention's nn.Dropout children "
+                                   "(the attention weights'); it holds {found}; use rng='tile'"),
     "softmax": "works along dim={dim}, which may be a sharded dim of the field",
     "norm over dims": "normalises over its last {n} dims, which on a field include sharded dims",
     "pad": ("pads a sharded dim, so each shard would be padded at its own edges; use the convolution's padding, or "
@@ -223,6 +230,31 @@ def _conv_transpose1d(module, context):
     return Decision.refuse(_REFUSALS["convtranspose1d"])
 
 
+_RANDOM_LAYERS = (nn.AlphaDropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.FeatureAlphaDropout, nn.RReLU)
+
+
+def _drop_path_like(module, context):
+    """timm's ``DropPath`` (``drop_prob``) or torchvision's ``StochasticDepth`` (``p``, ``mode``), leaves."""
+    name = type(module).__name__
+    return not _has_children(module) and (name == "DropPath" and hasattr(module, "drop_prob") or
+                                          name == "StochasticDepth" and hasattr(module, "p"))
+
+
+def _dropout(module, context):
+    return Decision.convert(DomainParallelDropout(module, context.rng, context.shard_dim, context.manager),
+                            f"rng={context.rng!r}")
+
+
+def _window_attention(module, context):
+    if context.rng == "one-process":
+        found = sorted({type(m).__name__ for m in module.modules()
+                        if isinstance(m, _RANDOM_LAYERS) or _drop_path_like(m, context)})
+        if found:
+            return Decision.refuse(_REFUSALS["random in window attention"].format(found=", ".join(found)))
+    return Decision.convert(DomainParallelWindowAttention(module, manager=context.manager, rng=context.rng),
+                            "matched by window_attention_like")
+
+
 def _channel_dropout(module, context):
     return Decision.local(LOCAL_REASONS["identity"]) if module.p == 0 else Decision.refuse(_REFUSALS["channel dropout"])
 
@@ -264,13 +296,13 @@ BUILTIN_RULES = (
                "`Conv1d` (next to `avg_pool = AdaptiveAvgPool2d(1)` and `sigmoid`)",
          outcomes=_local("it convolves the channels of the replicated global mean")),
     *(_block(matches, factory) for matches, factory in BLOCK_CONVERTERS),
-    Rule("window attention", lambda module, context: window_attention_like(module),
-         lambda module, context: Decision.convert(DomainParallelWindowAttention(module, manager=context.manager),
-                                                  "matched by window_attention_like"),
+    Rule("window attention", lambda module, context: window_attention_like(module), _window_attention,
          layer="a window attention (CREDIT's CrossFormer `Attention`: `attn_type` \"short\"/\"long\", "
                "`window_size`, `to_qkv`, `to_out`, `rel_pos_indices`)",
          outcomes=(("convert", "", "replaced whole: `DomainParallelWindowAttention` (whole windows dealt out by an "
-                                   "all-to-all, and back)"),)),
+                                   "all-to-all, and back; its `nn.Dropout` children draw as `rng` says)"),
+                   ("refuse", "`rng='one-process'` and another random layer inside",
+                    _REFUSALS["random in window attention"].format(found="<layers>")))),
     Rule("channel LayerNorm",
          lambda module, context: channel_layer_norm_like(module) and type(module).__name__ == "LayerNorm",
          Decision.local(LOCAL_REASONS["channel norm"]),
@@ -317,10 +349,16 @@ BUILTIN_RULES = (
                                    "of r, else every rank raises"),)),
     Rule("PixelShuffle", _exactly(nn.PixelShuffle), Decision.local(LOCAL_REASONS["pixel shuffle"]),
          layer="`PixelShuffle` (exactly)"),
+    Rule("RReLU under one-process", lambda module, context: isinstance(module, nn.RReLU) and
+         context.rng == "one-process", Decision.refuse(_REFUSALS["rrelu"]), layer="`RReLU`, `rng='one-process'`"),
     Rule("activation", _ACTIVATIONS, Decision.local(LOCAL_REASONS["activation"])),
     Rule("Identity", _exactly(nn.Identity), Decision.local(LOCAL_REASONS["identity"]), layer="`Identity` (exactly)"),
-    Rule("dropout", _exactly(nn.Dropout, nn.AlphaDropout), Decision.local(LOCAL_REASONS["dropout"]),
-         layer="`Dropout`, `AlphaDropout` (exactly)"),
+    Rule("dropout", _exactly(nn.Dropout, nn.AlphaDropout), _dropout, layer="`Dropout`, `AlphaDropout` (exactly)",
+         outcomes=(("convert", "", "`DomainParallelDropout`: `rng='tile'` (default), each rank's mask from its own "
+                                   "stream; `rng='one-process'`, one process's mask of the whole field, this "
+                                   "rank's part kept"),)),
+    Rule("drop path", _drop_path_like, Decision.local(LOCAL_REASONS["drop path"]),
+         layer="timm's `DropPath` (`drop_prob`), torchvision's `StochasticDepth` (`p`), by name, leaves"),
     Rule("channel dropout", (nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.FeatureAlphaDropout), _channel_dropout,
          outcomes=(("local", "p = 0", LOCAL_REASONS["identity"]), ("refuse", "p > 0", _REFUSALS["channel dropout"]))),
     Rule("softmax", (nn.Softmax, nn.LogSoftmax, nn.Softmin, nn.GLU), _softmax,

@@ -29,6 +29,7 @@ from ._shard import shard_dims
 from .builtin_rules import BUILTIN_RULES, LOCAL_REASONS, allow_local_rule, axis_of, child_reasons
 from .conv import DomainParallelConv2d, conv_padding
 from .padded_models import plan_padded_models
+from .rng import check_rng
 from .rule import Decision, Rule, RuleContext
 
 __all__ = ["ConversionReport", "LOCAL_REASONS", "convert_to_domain_parallel"]
@@ -102,13 +103,14 @@ def _pad_before_conv(sequential, index, shard_dim, manager):
 class _Walk:
     """One conversion: the rules' decisions, the replacements to install, the report and the refusals."""
 
-    def __init__(self, rules, shard_dim, manager, allowed_paths):
+    def __init__(self, rules, shard_dim, manager, allowed_paths, rng):
         self.rules, self.shard_dim, self.manager, self.allowed_paths = rules, shard_dim, manager, allowed_paths
+        self.rng = rng
         self.converted, self.local, self.refused, self.installs = [], [], [], []
 
     def module(self, module, path, reasons=None):
         """Decide ``module`` at ``path`` by the first rule that matches; return its replacement or None (it stays)."""
-        context = RuleContext(path, self.shard_dim, self.manager, dict(reasons or {}))
+        context = RuleContext(path, self.shard_dim, self.manager, dict(reasons or {}), self.rng)
         rule = next(rule for rule in self.rules if rule.matches(module, context))
         decision = rule.decide(module, context)
         name = type(module).__name__
@@ -180,7 +182,7 @@ def _shard_dim(shard_dim, manager):
 
 
 def convert_to_domain_parallel(model, manager=None, shard_dim=None, custom_converters=None, *, rules=(),
-                               allow_local=(), report=False):
+                               allow_local=(), report=False, rng="tile"):
     """Replace ``model``'s layers that need other ranks' rows by domain-parallel ones; return ``model``.
 
     Local and deterministic (no communication): every rank converts the same
@@ -203,6 +205,12 @@ def convert_to_domain_parallel(model, manager=None, shard_dim=None, custom_conve
         but you know to be local along the sharded dims.
     :param report: If True, return ``(model, ConversionReport)``: every converted path with its
         replacement, every path left local with why.
+    :param rng: How the converted dropouts draw (:mod:`mpidomain.nn.rng`): ``"tile"`` (default), each rank
+        its shard's mask from its own stream, seeded from torch's default generator and the rank's place;
+        ``"one-process"``, bitwise the masks one process draws from the same generator state, in the same
+        order, at any layout, the generator left where one process leaves it (a whole field's mask per
+        dropout call, transient). Either way torch's default generator advances alike on every rank of a
+        domain group. A random layer that ``"one-process"`` cannot reproduce is refused by name.
     :raises ValueError: Naming every module the converter cannot make exact (its path, type and why),
         before anything is changed.
     """
@@ -211,10 +219,11 @@ def convert_to_domain_parallel(model, manager=None, shard_dim=None, custom_conve
     if manager is not None:
         require_manager(manager, "convert_to_domain_parallel")
     shard_dim = _shard_dim(shard_dim, manager)
+    rng = check_rng(rng)
     user = _user_rules(rules, custom_converters)
     paths, types = _allowed(allow_local)
     padded = plan_padded_models(model, manager)  # raises before anything changes
-    walk = _Walk((allow_local_rule(paths, types),) + user + BUILTIN_RULES, shard_dim, manager, paths)
+    walk = _Walk((allow_local_rule(paths, types),) + user + BUILTIN_RULES, shard_dim, manager, paths, rng)
     root = walk.module(model, "")
     unknown = sorted(paths - {name for name, _ in model.named_modules()})
     if unknown:

@@ -44,7 +44,7 @@ from .interpolate import DomainParallelInterpolate
 from .redistribution import Redistribute
 from .window_attention import DomainParallelWindowAttention
 
-__all__ = ["MemoryEstimate", "estimate_memory"]
+__all__ = ["DrawEstimate", "MemoryEstimate", "estimate_draws", "estimate_memory"]
 
 
 @dataclass(frozen=True)
@@ -464,3 +464,48 @@ def estimate_memory(model, input_shape, manager_or_D, *, custom_converters=None,
                           bytes_per_rank=int(round(totals[largest])), largest_rank=largest,
                           rank_bytes=tuple(int(round(t)) for t in totals),
                           one_process_bytes=int(sum(nbytes for nbytes, _ in once)))
+
+
+@dataclass(frozen=True)
+class DrawEstimate:
+    """What ``rng="one-process"`` draws on every rank in one training forward (:func:`estimate_draws`).
+
+    ``calls``: the dropout calls with ``p > 0``; ``largest_bytes``: the largest whole-field mask (transient,
+    freed once the rank's part is taken); ``total_bytes``: all their masks, the values each rank draws (with
+    ``rng="tile"`` each rank draws its own share of them).
+    """
+
+    calls: int
+    largest_bytes: int
+    total_bytes: int
+
+
+def estimate_draws(model, input_shape, dtype=None):
+    """Predict what ``rng="one-process"`` draws per training forward of ``model`` on a global input of ``input_shape``.
+
+    Local and before launch: the unconverted model runs once on the meta device; every ``nn.Dropout`` and
+    ``nn.AlphaDropout`` with ``p > 0`` (CREDIT's attention-weight dropout included) counts its input, the
+    mask one process draws. Returns a :class:`DrawEstimate`.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module (unconverted), got {type(model).__name__}")
+    _require_unconverted(model)
+    plain = _meta_copy(model).train()
+    sizes = []
+
+    def count(module, args):
+        x = _first_tensor(args)
+        if x is not None:
+            sizes.append(x.numel() * x.element_size())
+
+    handles = [m.register_forward_pre_hook(count) for m in plain.modules()
+               if type(m) in (torch.nn.Dropout, torch.nn.AlphaDropout) and m.p > 0]
+    try:
+        plain(torch.empty(tuple(input_shape), dtype=_dtype_of(model, dtype), device="meta"))
+    except Exception as error:
+        raise RuntimeError(f"estimate_draws runs the model on torch.device('meta') tensors; its forward failed there "
+                           f"({type(error).__name__}: {error})") from error
+    finally:
+        for handle in handles:
+            handle.remove()
+    return DrawEstimate(len(sizes), max(sizes, default=0), sum(sizes))

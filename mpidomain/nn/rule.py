@@ -71,13 +71,15 @@ class RuleContext:
     """Tell a rule where it applies: the module's ``path`` (``""`` for the model), ``shard_dim`` and ``manager``.
 
     ``shard_dim`` and ``manager`` are what the converted layers take (``manager`` may be None: the global
-    one when they run); ``child_reasons`` maps child names the parent's structure makes local to why.
+    one when they run); ``child_reasons`` maps child names the parent's structure makes local to why;
+    ``rng`` is how random layers draw (``"tile"`` or ``"one-process"``, :mod:`mpidomain.nn.rng`).
     """
 
     path: str
     shard_dim: object
     manager: object = None
     child_reasons: dict = field(default_factory=dict)
+    rng: str = "tile"
 
     @property
     def name(self):

@@ -22,10 +22,11 @@ import torch
 
 from .._validate import is_int
 from ..manager import library_comm, sharded_dims
-from ..layout.moves import WINDOW_KINDS, window_move
+from ..layout.moves import WINDOW_KINDS, window_move, window_numbers
 from ._shard import Wrapper, layer_extents, place, shard_dims
 from . import ops
 from .redistribution import inverse_move, redistribute_rows
+from .rng import check_rng, dropout_draw, tile_generator
 
 __all__ = ["DomainParallelWindowAttention", "WindowAttentionSpec", "window_attention_spec"]
 
@@ -100,7 +101,12 @@ class DomainParallelWindowAttention(Wrapper):
     on an empty batch, so its parameter gradients are zeros, not None. Parameter gradients are this rank's share:
     sum them over the domain group (``allreduce_gradients(..., group="domain",
     op="sum")``) for the single-process gradients. The state_dict keys are the
-    module's own. Dropout inside the module draws other masks than one process.
+    module's own.
+
+    Its ``nn.Dropout`` children (CREDIT's attention-weight dropout) draw as ``rng`` says
+    (:mod:`mpidomain.nn.rng`): ``"tile"``, each rank its windows' masks from its own stream;
+    ``"one-process"``, every rank the attention weights' mask of all the windows of the field, as one
+    process draws it, keeping its own windows' part (one process's attention weights, transient).
 
     A sharded dim whose extent ``window_size`` does not divide raises the same
     ValueError on every rank.
@@ -110,9 +116,10 @@ class DomainParallelWindowAttention(Wrapper):
     :param kind: ``"short"`` or ``"long"``; default the module's ``attn_type``.
     :param shard_dim: The sharded dims; default (None) the manager's; must be the manager's if given.
     :param manager: Default: the global manager from ``initialize_domain_parallel``.
+    :param rng: How its dropout draws: ``"tile"`` (default) or ``"one-process"``.
     """
 
-    def __init__(self, module, window_size=None, kind=None, shard_dim=None, manager=None):
+    def __init__(self, module, window_size=None, kind=None, shard_dim=None, manager=None, rng="tile"):
         spec = window_attention_spec(module)
         if window_size is None or kind is None:
             if spec is None:
@@ -126,7 +133,12 @@ class DomainParallelWindowAttention(Wrapper):
         if not is_int(window_size) or window_size < 1:
             raise ValueError(f"{_NAME}: window_size must be an int >= 1, got {window_size!r}")
         super().__init__(module, shard_dim, manager)
-        self.window_size, self.kind = int(window_size), kind
+        self.window_size, self.kind, self.rng = int(window_size), kind, check_rng(rng)
+        self._draws = _Draws()
+        for parent in list(module.modules()):
+            for name, child in list(parent._modules.items()):
+                if type(child) is torch.nn.Dropout:
+                    parent._modules[name] = _WindowDropout(child.p, child.inplace, self._draws)
 
     def _check(self, x, manager):
         """This rank's sharded dims of ``x`` (normalised); TypeError/ValueError for a local mistake."""
@@ -160,10 +172,34 @@ class DomainParallelWindowAttention(Wrapper):
             ops.raise_on_every_rank(library_comm(manager), _NAME + " layout", ValueError(error))
         for dim, move, _ in moves:
             x = redistribute_rows(x, move, dim, manager)
-        y = self._run(x)
+        self._draws.manager = manager
+        if self.rng == "one-process" and self.training:
+            self._draws.windows = self._window_batch(x, dict(along), manager)
+        try:
+            y = self._run(x)
+        finally:
+            self._draws.windows = None
         for dim, _, back in reversed(moves):
             y = redistribute_rows(y, back, dim, manager)
         return y
+
+    def _window_batch(self, x, along, manager):
+        """Return (the windows' batch on one process, the index of this rank's windows in it): the module's
+        ``(b h w)`` batch of its windows, numbered as one process numbers the whole field's. Local."""
+        numbers = []
+        for dim in (2, 3):
+            if dim in along:  # sharded: the rows the window move dealt this rank (its own, if whole already)
+                extents, coord = along[dim], place(manager, x, dim)[0]
+                rows = window_move(self.kind, extents, self.window_size).target.rows_of(coord)
+                extent = sum(extents)
+            else:
+                rows, extent = range(x.shape[dim]), x.shape[dim]
+            numbers.append((torch.tensor(window_numbers(self.kind, rows, extent, self.window_size),
+                                         dtype=torch.int64), extent // self.window_size))
+        (rows, across), (cols, down) = numbers
+        batch = torch.arange(x.shape[0]).view(-1, 1, 1)
+        index = ((batch * across + rows.view(1, -1, 1)) * down + cols.view(1, 1, -1)).reshape(-1)
+        return x.shape[0] * across * down, index.to(x.device)
 
     def _run(self, x):
         """The module on whole windows; on no rows, on an empty batch of one window's shape (still in the graph)."""
@@ -176,4 +212,39 @@ class DomainParallelWindowAttention(Wrapper):
         return out.reshape(x.shape[0], out.shape[1], x.shape[2], x.shape[3])
 
     def extra_repr(self):
-        return f"kind={self.kind!r}, window_size={self.window_size}, shard_dim={self.shard_dim}"
+        return f"kind={self.kind!r}, window_size={self.window_size}, shard_dim={self.shard_dim}, rng={self.rng!r}"
+
+
+class _Draws:
+    """What a window attention's dropouts draw by: the manager, and (one-process) the windows' batch."""
+
+    manager = None
+    windows = None  # (the windows' batch on one process, this rank's windows' index in it) during a forward
+
+    def __deepcopy__(self, memo):
+        return _Draws()
+
+
+class _WindowDropout(torch.nn.Module):
+    """An ``nn.Dropout`` on the window batch inside a :class:`DomainParallelWindowAttention` (its ``_draws``)."""
+
+    def __init__(self, p, inplace, draws):
+        super().__init__()
+        self.p, self.inplace, self._draws = p, inplace, draws
+
+    def forward(self, x):
+        draws = self._draws
+        if not self.training or self.p == 0:
+            return x
+        if draws.windows is None:  # rng="tile"
+            return dropout_draw(x, self.p, False, self.inplace, generator=tile_generator(draws.manager, x.device))
+        count, index = draws.windows
+        if x.shape[0] != index.numel():
+            raise ValueError(f"{_NAME}: a dropout inside {_NAME} got a batch of {x.shape[0]}, not the "
+                             f"{index.numel()} windows of this rank; rng='one-process' reproduces the dropout of the "
+                             "attention weights (batch: the windows) only; use rng='tile'")
+        return dropout_draw(x, self.p, False, self.inplace,
+                            part=((count,) + tuple(x.shape[1:]), lambda noise: noise.index_select(0, index)))
+
+    def extra_repr(self):
+        return f"p={self.p}, inplace={self.inplace}"
