@@ -41,7 +41,7 @@ def test_losses_and_weights_equal_credit(layout, credit_data, credit_reference):
         for ours, theirs in zip(row[2:], steps):
             worst = max(worst, abs(ours - theirs) / abs(theirs))
         worst = max(worst, abs(row[1] - sum(steps)) / abs(sum(steps)))
-    print("ROWS", rows[:4], "REF", reference[:4]); assert worst < 1e-5, f"per-step losses differ from CREDIT's by {worst:.2e} (relative)"
+    assert worst < 1e-5, f"per-step losses differ from CREDIT's by {worst:.2e} (relative)"
     ours = torch.load(os.path.join(save_loc, "checkpoint.pt"), map_location="cpu", weights_only=True)
     theirs = torch.load(os.path.join(credit_reference["save_loc"], "checkpoint.pt"), map_location="cpu",
                         weights_only=False)
@@ -114,4 +114,4 @@ def test_accumulation_checkpointing_clipping_and_dropout_equal_credit(credit_dat
     assert len(rows) == len(reference) == 10
     worst = max(abs(ours - theirs) / abs(theirs) for row, steps in zip(rows, reference)
                 for ours, theirs in zip(row[2:], steps))
-    print("ROWS", rows[:4], "REF", reference[:4]); assert worst < 1e-5, f"per-step losses differ from CREDIT's by {worst:.2e} (relative)"
+    assert worst < 1e-5, f"per-step losses differ from CREDIT's by {worst:.2e} (relative)"
