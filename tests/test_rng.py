@@ -50,6 +50,13 @@ class ChannelsOuter(nn.Module):
         return x.transpose(0, 1).contiguous().transpose(0, 1)
 
 
+class RowsInner(nn.Module):
+    """The same values with the columns outer of the rows in memory (dense, not contiguous)."""
+
+    def forward(self, x):
+        return x.transpose(-1, -2).contiguous().transpose(-1, -2)
+
+
 def random_cnn():
     """Convolutions between Dropout (one of them on a channel-major layout), AlphaDropout and a residual
     DropPath, float64."""
@@ -85,7 +92,8 @@ def one_process_and_converted(world, model, x, shape, shard_dim, rng, seed=11, s
     state = torch.get_rng_state()
     problems = {}
     with DomainParallelManager(world.size, shape, shard_dim=shard_dim) as manager:
-        converted = convert_to_domain_parallel(model, manager=manager, rng=rng, allow_local=(ChannelsOuter,)).train()
+        converted = convert_to_domain_parallel(model, manager=manager, rng=rng,
+                                               allow_local=(ChannelsOuter, RowsInner)).train()
         torch.manual_seed(seed)
         for _ in range(steps):
             y = converted(shard_tensor(x, manager=manager, allow_uneven=True))
@@ -128,8 +136,36 @@ def test_one_process_draws_equal_one_process_on_every_layout(world):
     assert not agreed(world, found)
 
 
+def test_one_process_draws_where_a_rank_holds_one_row_and_after_a_global_pool(world):
+    """world + 1 rows (a rank holds one row) laid out columns-outer: one process's mask, in its memory order; a
+    dropout of the pooled feature vector (the same on every rank) draws one process's mask on every rank; the
+    generators end alike, in both modes."""
+    rows = world.size + 1
+    x = torch.randn(2, 3, rows, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    found = {}
+    torch.manual_seed(0)
+    layered = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), RowsInner(), nn.Dropout(0.5)).double()
+    problems = one_process_and_converted(world, layered, x, world.size, -2, "one-process", steps=1)
+    if problems:
+        found["columns outer"] = problems
+    torch.manual_seed(0)
+    pooled = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Dropout(0.5),
+                           nn.Linear(4, 2)).double()
+    for rng in ("one-process", "tile"):
+        with DomainParallelManager(world.size, world.size) as manager:
+            model = convert_to_domain_parallel(copy.deepcopy(pooled), manager=manager, rng=rng).train()
+            torch.manual_seed(4)
+            got = model(shard_tensor(x, manager=manager, allow_uneven=True)).detach()
+        torch.manual_seed(4)
+        want = copy.deepcopy(pooled).train()(x).detach()
+        if relative(got, want) > TOLERANCE or not all(torch.equal(g, got) for g in world.allgather(got)):
+            found[f"pooled {rng}"] = relative(got, want)
+    assert not agreed(world, found)
+
+
 def test_tile_draws_are_each_ranks_own_and_reproducible(world):
-    """rng="tile" at a fixed layout: the same seed gives the same output; equal shards get other masks."""
+    """rng="tile" at a fixed layout: the same seed gives the same output; equal shards get other masks; an RReLU
+    on uneven shards (each rank its own slopes) leaves the default generators alike on every rank."""
     with DomainParallelManager(world.size, world.size) as manager:
         model = convert_to_domain_parallel(nn.Dropout(0.5), manager=manager)
         x = torch.ones(1, 1, 4 * world.size, 8, dtype=torch.float64)
@@ -138,19 +174,39 @@ def test_tile_draws_are_each_ranks_own_and_reproducible(world):
             torch.manual_seed(5)
             runs.append(model(shard_tensor(x, manager=manager)))
         masks = world.allgather(runs[0])
+        rrelu = convert_to_domain_parallel(nn.Sequential(nn.RReLU(), nn.Dropout(0.5)), manager=manager).train()
+        rrelu(shard_tensor(-torch.ones(1, 1, 4 * world.size + 1, 8), manager=manager, allow_uneven=True))
+        states = world.allgather(torch.get_rng_state())
     same = torch.equal(runs[0], runs[1])
     distinct = len({tuple(m.flatten().tolist()) for m in masks}) == world.size
-    assert all(world.allgather((same, distinct))), (same, distinct)
+    lockstep = all(torch.equal(s, states[0]) for s in states)
+    assert all(world.allgather((same, distinct, lockstep))), (same, distinct, lockstep)
+
+
+class WindowAttention(nn.Module):
+    """What the converter takes for a window attention (CREDIT's Attention's attributes), holding ``extra``."""
+
+    def __init__(self, extra):
+        super().__init__()
+        self.attn_type, self.window_size = "short", 2
+        self.to_qkv, self.to_out, self.extra = nn.Conv2d(4, 12, 1), nn.Conv2d(4, 4, 1), extra
+        self.dropout = nn.Dropout(0.1)
+        self.register_buffer("rel_pos_indices", torch.zeros(4, 4, dtype=torch.long))
 
 
 def test_bad_rng_and_layers_one_process_cannot_draw_are_refused(world):
-    """rng="foo": ValueError naming rng; rng="one-process" with an RReLU, or with a Dropout2d inside a window
-    attention: the converter's refusal names the layer."""
+    """rng="foo": ValueError naming rng; rng="one-process" with an RReLU, or with a random layer inside a window
+    attention other than its attention weights' nn.Dropout named dropout: the converter's refusal names it."""
     with pytest.raises(ValueError, match="rng must be 'tile'.*got 'foo'"):
         convert_to_domain_parallel(nn.Conv2d(1, 1, 3), rng="foo")
     with pytest.raises(ValueError, match=r"1 \(RReLU: rng='one-process' cannot draw RReLU's slopes"):
         convert_to_domain_parallel(nn.Sequential(nn.Conv2d(1, 1, 3), nn.RReLU()), rng="one-process")
     convert_to_domain_parallel(nn.Sequential(nn.Conv2d(1, 1, 3), nn.RReLU()), rng="tile")
+    window = WindowAttention(nn.Dropout2d(0.1))
+    with pytest.raises(ValueError, match=r"rng='one-process' reproduces only the dropout of the attention weights "
+                                         r".*it holds Dropout2d extra"):
+        convert_to_domain_parallel(window, rng="one-process")
+    convert_to_domain_parallel(WindowAttention(nn.Identity()), rng="one-process")
 
 
 @pytest.mark.credit

@@ -11,7 +11,7 @@ from .blocks import DomainParallelCoordinateAttention
 from .builtin_rules import BUILTIN_RULES, rules_table
 from .convert import ConversionReport, convert_to_domain_parallel
 from .earth_padding import DomainParallelTensorPadding
-from .dropout import DomainParallelDropout
+from .dropout import DomainParallelDropout, DomainParallelRReLU
 from .estimate import DrawEstimate, MemoryEstimate, estimate_draws, estimate_memory
 from .gradients import allreduce_gradients
 from .halo import HaloExchange
@@ -44,6 +44,7 @@ __all__ = [
     "DomainParallelTensorPadding",
     "DomainParallelWindowAttention",
     "DomainParallelDropout",
+    "DomainParallelRReLU",
     "Redistribute",
     "WindowAttentionSpec",
     "window_attention_spec",

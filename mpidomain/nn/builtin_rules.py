@@ -10,7 +10,7 @@ import torch
 
 from ._shard import Wrapper, shard_dims
 from .blocks import BLOCK_CONVERTERS, CHILD_RULES
-from .dropout import DomainParallelDropout
+from .dropout import DomainParallelDropout, DomainParallelRReLU
 from .conv import (DomainParallelConv2d, DomainParallelConv3d, DomainParallelConvTranspose2d,
                    DomainParallelConvTranspose3d, conv_padding)
 from .earth_padding import DomainParallelTensorPadding
@@ -66,8 +66,8 @@ _REFUSALS = {
     "rrelu": ("rng='one-process' cannot draw RReLU's slopes as one process: one process draws one for each "
               "negative input of the whole field, in order, which depends on other ranks' values; use LeakyReLU, "
               "or rng='tile'"),
-    "random in window attention": ("rng='one-process' reproduces only the window attention's nn.Dropout children "
-                                   "(the attention weights'); it holds {found}; use rng='tile'"),
+    "random in window attention": ("rng='one-process' reproduces only the dropout of the attention weights (an "
+                                   "nn.Dropout named dropout, as CREDIT's); it holds {found}; use rng='tile'"),
     "softmax": "works along dim={dim}, which may be a sharded dim of the field",
     "norm over dims": "normalises over its last {n} dims, which on a field include sharded dims",
     "pad": ("pads a sharded dim, so each shard would be padded at its own edges; use the convolution's padding, or "
@@ -78,7 +78,7 @@ _REFUSALS = {
 }
 
 _CONVERTED = (Wrapper, DomainParallelInterpolate, HaloExchange, DomainParallelTensorPadding)
-_ACTIVATIONS = (nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.PReLU, nn.RReLU, nn.ELU, nn.SELU, nn.CELU, nn.GELU, nn.SiLU,
+_ACTIVATIONS = (nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.PReLU, nn.ELU, nn.SELU, nn.CELU, nn.GELU, nn.SiLU,
                 nn.Mish, nn.Sigmoid, nn.Tanh, nn.Hardtanh, nn.Hardsigmoid, nn.Hardswish, nn.Hardshrink,
                 nn.Softshrink, nn.Tanhshrink, nn.Softplus, nn.Softsign, nn.LogSigmoid, nn.Threshold)
 _PADS = tuple(getattr(nn, f"{kind}Pad{n}d") for kind in ("Zero", "Constant", "Reflection", "Replication", "Circular")
@@ -240,6 +240,12 @@ def _drop_path_like(module, context):
                                           name == "StochasticDepth" and hasattr(module, "p"))
 
 
+def _rrelu(module, context):
+    if context.rng == "one-process":
+        return Decision.refuse(_REFUSALS["rrelu"])
+    return Decision.convert(DomainParallelRReLU(module, context.shard_dim, context.manager), "rng='tile'")
+
+
 def _dropout(module, context):
     return Decision.convert(DomainParallelDropout(module, context.rng, context.shard_dim, context.manager),
                             f"rng={context.rng!r}")
@@ -247,8 +253,9 @@ def _dropout(module, context):
 
 def _window_attention(module, context):
     if context.rng == "one-process":
-        found = sorted({type(m).__name__ for m in module.modules()
-                        if isinstance(m, _RANDOM_LAYERS) or _drop_path_like(m, context)})
+        found = sorted({f"{type(m).__name__} {name}" for name, m in module.named_modules()
+                        if isinstance(m, _RANDOM_LAYERS) or _drop_path_like(m, context)
+                        or type(m) is nn.Dropout and name != "dropout"})
         if found:
             return Decision.refuse(_REFUSALS["random in window attention"].format(found=", ".join(found)))
     return Decision.convert(DomainParallelWindowAttention(module, manager=context.manager, rng=context.rng),
@@ -349,8 +356,10 @@ BUILTIN_RULES = (
                                    "of r, else every rank raises"),)),
     Rule("PixelShuffle", _exactly(nn.PixelShuffle), Decision.local(LOCAL_REASONS["pixel shuffle"]),
          layer="`PixelShuffle` (exactly)"),
-    Rule("RReLU under one-process", lambda module, context: isinstance(module, nn.RReLU) and
-         context.rng == "one-process", Decision.refuse(_REFUSALS["rrelu"]), layer="`RReLU`, `rng='one-process'`"),
+    Rule("RReLU", _exactly(nn.RReLU), _rrelu, layer="`RReLU` (exactly)",
+         outcomes=(("convert", "`rng='tile'`", "`DomainParallelRReLU`: each rank's training slopes from its own "
+                                               "stream"),
+                   ("refuse", "`rng='one-process'`", _REFUSALS["rrelu"]))),
     Rule("activation", _ACTIVATIONS, Decision.local(LOCAL_REASONS["activation"])),
     Rule("Identity", _exactly(nn.Identity), Decision.local(LOCAL_REASONS["identity"]), layer="`Identity` (exactly)"),
     Rule("dropout", _exactly(nn.Dropout, nn.AlphaDropout), _dropout, layer="`Dropout`, `AlphaDropout` (exactly)",

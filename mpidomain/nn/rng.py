@@ -15,8 +15,8 @@ dropout inside :class:`~mpidomain.nn.DomainParallelWindowAttention` draw in one 
 
 In both modes torch's default generator advances alike on every rank of a domain group, so what the
 model draws per sample (a DropPath's ``(B, 1, 1, 1)`` mask, noise of a latent vector) is the same on
-every shard, as one process draws it. Everything here is local but :func:`field_slices` (one
-agreement step and one small allgather per sharded dim).
+every shard, as one process draws it. Everything here is local but :func:`field_slices` and
+:func:`memory_order` (an agreement step and small allgathers).
 """
 
 import math
@@ -25,10 +25,13 @@ import numpy as np
 import torch
 
 from .._validate import RNG_MODES, check_rng
-from ..manager import sharded_dims
+from .._waits import allgather_ints
+from ..manager import library_comm, sharded_dims
+from . import plans
 from ._shard import layer_extents
 
-__all__ = ["RNG_MODES", "check_rng", "tile_generator", "dropout_draw", "field_slices"]
+__all__ = ["RNG_MODES", "check_rng", "tile_generator", "tile_dropout", "dropout_draw", "field_slices",
+           "memory_order"]
 
 _SELU_ALPHA = 1.7580993408473766  # torch's alpha_dropout (SELU's alpha times its scale)
 
@@ -47,27 +50,43 @@ def tile_generator(manager, device):
     return generator
 
 
-def dropout_draw(x, p, alpha, inplace, part=None, generator=None):
-    """Return ``x`` dropped out as ``F.dropout`` (``alpha``: ``F.alpha_dropout``) in training mode drops it.
+@torch.compiler.disable
+def tile_dropout(x, p, alpha, inplace, manager):
+    """Return ``x`` dropped out with a mask of its own shape from this rank's stream (:func:`tile_generator`).
 
-    ``part``: ``(global shape, part of it)``: the whole field's mask is drawn from torch's default
-    generator, as one process draws it for a tensor of the global shape, and ``part(mask)`` is this
-    rank's (slices, or an index). Otherwise the mask has ``x``'s shape, drawn from ``generator``. Local.
+    Local. Left out of ``torch.compile``'s graph (a generator cannot be traced): a compiled model breaks its
+    graph there, so ``fullgraph=True`` needs ``rng="one-process"`` or ``p = 0``.
     """
-    shape, select = part if part is not None else (x.shape, None)
+    if p == 0 or x.numel() == 0:
+        return x
+    return _dropped(x, p, alpha, inplace, torch.empty_like(x), tile_generator(manager, x.device))
+
+
+def dropout_draw(x, p, alpha, inplace, shape, select, order):
+    """Return ``x`` dropped out with this rank's part of the mask one process draws for the whole field.
+
+    ``shape``: the whole field's; ``select(mask)``: this rank's part (slices, or an index); ``order``: the dims
+    in one process's memory order (:func:`memory_order`). The mask is drawn from torch's default generator as
+    torch's dropout (``alpha``: alpha dropout; ``inplace``: ``dropout_``) draws it in training mode for an input
+    of ``shape`` laid out so, and the generator advances as on one process. Local.
+    """
     if p == 0 or math.prod(shape) == 0:
         return x
     if p == 1:
         return x.mul_(0.0) if inplace else x * 0.0
-    if part is not None and not alpha and x.device.type != "cpu":  # torch's fused kernel, its Philox draws
-        noise = torch.native_dropout(_empty_laid_out_as(x, shape).fill_(1), p, True)[0]
-        noise = select(noise) if select is not None else noise
-        return x.mul_(noise) if inplace else x * noise
-    noise = _empty_laid_out_as(x, shape) if part is not None else torch.empty_like(x)
-    noise.bernoulli_(1 - p, generator=generator)
-    if select is not None:
-        noise = select(noise)
-    if alpha:  # torch's _dropout_impl, alpha branch
+    if not alpha and not inplace and x.device.type != "cpu":  # torch's fused kernel: its Philox draws
+        mask = torch.native_dropout(_empty_laid_out(x, shape, order).fill_(1), p, True)[1]
+        compute = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+        return (x.to(compute) * select(mask).to(compute) * (1.0 / (1.0 - p))).to(x.dtype)
+    noise = select(_empty_laid_out(x, shape, order).bernoulli_(1 - p))
+    return _dropped(x, p, alpha, inplace, noise, None)
+
+
+def _dropped(x, p, alpha, inplace, noise, generator):
+    """torch's ``_dropout_impl``, from ``bernoulli_(1 - p)`` on: ``noise`` drawn here if ``generator`` is given."""
+    if generator is not None:
+        noise.bernoulli_(1 - p, generator=generator)
+    if alpha:
         a = 1.0 / math.sqrt((_SELU_ALPHA * _SELU_ALPHA * p + 1) * (1 - p))
         shift = noise.add(-1).mul_(_SELU_ALPHA * a).add_(_SELU_ALPHA * a * p)
         noise.mul_(a)
@@ -76,27 +95,50 @@ def dropout_draw(x, p, alpha, inplace, part=None, generator=None):
     return x.mul_(noise) if inplace else x * noise
 
 
-def _empty_laid_out_as(x, shape):
-    """An empty tensor of ``shape`` whose dims lie in memory in the order ``torch.empty_like(x)``'s do.
-
-    Torch's dropout draws its mask into ``empty_like(input)`` (the input's strides where it is dense), in memory
-    order: one process's whole-field input has the shard's layout, so its mask is drawn in this order.
-    """
-    template = torch.empty_like(x, device="meta")
-    order = sorted(range(x.ndim), key=lambda d: -template.stride(d))  # outermost first; stable on ties
+def _empty_laid_out(x, shape, order):
+    """An empty tensor of ``shape`` (``x``'s dtype and device) whose dims lie in memory in ``order``."""
     noise = torch.empty([shape[d] for d in order], dtype=x.dtype, device=x.device)
     return noise.permute([order.index(d) for d in range(x.ndim)])
 
 
-def field_slices(manager, name, x, settings):
-    """Return (the whole field's shape, this rank's slices of it) for a shard ``x`` of the manager's layout.
+def memory_order(manager, name, x, spread):
+    """Return ``x``'s dims in the memory order of one process's input of the whole field, outermost first.
 
-    Collective over the domain group: one agreement step and one allgather of two integers per sharded dim.
+    Torch's dropout draws its mask into ``empty_like(input)`` (the input's strides where it is dense), in memory
+    order, so one process's mask follows its input's layout; each rank's shard has that layout. A dim of one
+    element has no place of its own in memory (its stride is arbitrary): a rank whose dims ``spread`` (those
+    the ranks hold parts of) all have more than one element reads the order from its strides, and every rank
+    takes the first such rank's (rank 0's if none). Collective over the domain group: one allgather of a few
+    integers (a constant of a compiled graph).
     """
-    shape, index = list(x.shape), [slice(None)] * x.ndim
+    template = torch.empty_like(x, device="meta")
+    order = sorted(range(x.ndim), key=lambda d: (-template.stride(d), d))
+    known = all(x.shape[d] > 1 for d in spread)
+    return plans.planned(manager, "memory_order", (name, int(known), tuple(order)))
+
+
+def _agreed_order(manager, key):
+    name, known, order = key
+    rows = allgather_ints(library_comm(manager), (known,) + order, name)
+    chosen = next((row for row in rows if row[0]), rows[0])
+    return list(chosen[1:])
+
+
+plans.register_gather("memory_order", _agreed_order)
+
+
+def field_slices(manager, name, x, settings):
+    """Return (the whole field's shape, this rank's slices of it, one process's memory order of its dims) for a
+    shard ``x`` of the manager's layout.
+
+    Collective over the domain group: one agreement step and one allgather of two integers per sharded dim,
+    and :func:`memory_order`'s allgather.
+    """
+    shape, index, spread = list(x.shape), [slice(None)] * x.ndim, []
     for s in sharded_dims(manager, x.ndim):
         if s.parts > 1:
             extents, coord = layer_extents(manager, name, x, s.dim, settings)
             start = sum(extents[:coord])
             shape[s.dim], index[s.dim] = sum(extents), slice(start, start + extents[coord])
-    return tuple(shape), tuple(index)
+            spread.append(s.dim)
+    return tuple(shape), tuple(index), memory_order(manager, name, x, spread)

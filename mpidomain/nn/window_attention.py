@@ -26,7 +26,7 @@ from ..layout.moves import WINDOW_KINDS, window_move, window_numbers
 from ._shard import Wrapper, layer_extents, place, shard_dims
 from . import ops
 from .redistribution import inverse_move, redistribute_rows
-from .rng import check_rng, dropout_draw, tile_generator
+from .rng import check_rng, dropout_draw, memory_order, tile_dropout
 
 __all__ = ["DomainParallelWindowAttention", "WindowAttentionSpec", "window_attention_spec"]
 
@@ -134,7 +134,7 @@ class DomainParallelWindowAttention(Wrapper):
             raise ValueError(f"{_NAME}: window_size must be an int >= 1, got {window_size!r}")
         super().__init__(module, shard_dim, manager)
         self.window_size, self.kind, self.rng = int(window_size), kind, check_rng(rng)
-        self._draws = _Draws()
+        self._draws = _Draws(self.rng, self.window_size)
         for parent in list(module.modules()):
             for name, child in list(parent._modules.items()):
                 if type(child) is torch.nn.Dropout:
@@ -178,7 +178,7 @@ class DomainParallelWindowAttention(Wrapper):
         try:
             y = self._run(x)
         finally:
-            self._draws.windows = None
+            self._draws.manager, self._draws.windows = None, None
         for dim, _, back in reversed(moves):
             y = redistribute_rows(y, back, dim, manager)
         return y
@@ -216,17 +216,20 @@ class DomainParallelWindowAttention(Wrapper):
 
 
 class _Draws:
-    """What a window attention's dropouts draw by: the manager, and (one-process) the windows' batch."""
+    """How a window attention's dropouts draw: ``rng``, the window size, and during its forward the manager and
+    (``"one-process"``) the windows' batch on one process with this rank's windows' index in it."""
 
-    manager = None
-    windows = None  # (the windows' batch on one process, this rank's windows' index in it) during a forward
+    def __init__(self, rng, window_size):
+        self.rng, self.window_size = rng, window_size
+        self.manager = self.windows = None
 
     def __deepcopy__(self, memo):
-        return _Draws()
+        return _Draws(self.rng, self.window_size)  # never the manager (communicators) or a forward's windows
 
 
 class _WindowDropout(torch.nn.Module):
-    """An ``nn.Dropout`` on the window batch inside a :class:`DomainParallelWindowAttention` (its ``_draws``)."""
+    """An ``nn.Dropout`` of the attention weights inside a :class:`DomainParallelWindowAttention` (its ``_draws``);
+    outside the wrapper's forward (the module run alone), torch's own dropout."""
 
     def __init__(self, p, inplace, draws):
         super().__init__()
@@ -236,15 +239,19 @@ class _WindowDropout(torch.nn.Module):
         draws = self._draws
         if not self.training or self.p == 0:
             return x
-        if draws.windows is None:  # rng="tile"
-            return dropout_draw(x, self.p, False, self.inplace, generator=tile_generator(draws.manager, x.device))
+        if draws.manager is None:
+            return torch.nn.functional.dropout(x, self.p, True, self.inplace)
+        if draws.rng == "tile":
+            return tile_dropout(x, self.p, False, self.inplace, draws.manager)
+        weights = draws.window_size ** 2
+        if x.ndim != 4 or tuple(x.shape[2:]) != (weights, weights):  # alike on every rank: heads and windows
+            raise ValueError(f"{_NAME}: rng='one-process' reproduces the dropout of the attention weights (batch, "
+                             f"heads, {weights}, {weights}) only, got a dropout of shape {tuple(x.shape)}; use "
+                             "rng='tile'")
         count, index = draws.windows
-        if x.shape[0] != index.numel():
-            raise ValueError(f"{_NAME}: a dropout inside {_NAME} got a batch of {x.shape[0]}, not the "
-                             f"{index.numel()} windows of this rank; rng='one-process' reproduces the dropout of the "
-                             "attention weights (batch: the windows) only; use rng='tile'")
-        return dropout_draw(x, self.p, False, self.inplace,
-                            part=((count,) + tuple(x.shape[1:]), lambda noise: noise.index_select(0, index)))
+        order = memory_order(draws.manager, _NAME, x, (0,))
+        return dropout_draw(x, self.p, False, self.inplace, (count,) + tuple(x.shape[1:]),
+                            lambda noise: noise.index_select(0, index), order)
 
     def extra_repr(self):
         return f"p={self.p}, inplace={self.inplace}"
