@@ -10,8 +10,8 @@ dropout inside :class:`~mpidomain.nn.DomainParallelWindowAttention` draw in one 
 - ``"one-process"``: every rank draws the whole field's mask from torch's default generator, in one
   process's order, and keeps its own part: bitwise one process's draw. It costs a whole field's
   mask per call, transient: the layer's activation on one process (and, for attention, one process's
-  attention weights), and the time to draw it. On a GPU the mask is one process's (torch's fused kernel
-  on the whole field) and the product is rounded once more (checked on CPU only).
+  attention weights), and the time to draw it. On a GPU the mask is the one torch's fused kernel draws for
+  the whole field (written from torch's source; checked on CPU only).
 
 In both modes torch's default generator advances alike on every rank of a domain group, so what the
 model draws per sample (a DropPath's ``(B, 1, 1, 1)`` mask, noise of a latent vector) is the same on
