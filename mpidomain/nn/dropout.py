@@ -16,9 +16,10 @@ class DomainParallelDropout(Wrapper):
 
     ``rng="tile"``: local; each rank draws its shard's mask from its own stream
     (:func:`~mpidomain.nn.rng.tile_generator`). ``rng="one-process"``: collective over the domain group
-    (an agreement step and small allgathers: the ranks' extents and one process's memory order): every rank draws the whole field's mask
-    as one process draws it and keeps its part, so output and gradients equal one process's bitwise and
-    torch's default generator ends where one process's does. Eval mode, or ``p = 0``: the identity.
+    (an agreement step and small allgathers: the ranks' extents and one process's memory order): every
+    rank draws the whole field's mask as one process draws it and keeps its part, so output and gradients
+    equal one process's bitwise and torch's default generator ends where one process's does. Eval mode, or
+    ``p = 0``: the identity.
 
     The input is a field sharded as the manager shards it, as every converted layer takes it. An input of
     fewer than 3 dims (a feature vector after a global pool) is taken to be the same on every rank: it is
