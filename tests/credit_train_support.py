@@ -157,6 +157,67 @@ def credit_reference_accumulating(credit_data):
     return result
 
 
+def ensemble_conf(credit_data, save_loc):
+    """CREDIT's ``config/gen_2/smoke/smoke_ensemble_gen2_casper.yml`` on the synthetic data, shrunk only in grid,
+    model, dates and paths: the flat ``KCRPS`` training loss (``mse`` in validation), ``trainer.ensemble_size: 2``,
+    ``attn_dropout: 0.1``, ``forecast_len: 1``, batches of 1, bridgescaler pre- and postblocks, its optimizer,
+    clipping and scheduler. One addition: the target twin (``reconstruct_target`` and its inverse scaling), without
+    which CREDIT's default metrics stop at the first step (KeyError ``y_target_processed``)."""
+    from mpidomain.credit.synthetic import synthetic_paths
+
+    folder, conf = credit_data
+    scaler = synthetic_paths(folder)["scaler"]
+    conf = layout_conf(conf, save_loc, batch=1, valid_batch_size=1, ensemble_size=2, grad_max_norm=1.0,
+                       weight_decay=0, use_ema=False, use_scheduler=True, scheduler={
+                           "scheduler_type": "cosine-annealing-restarts", "first_cycle_steps": 50, "cycle_mult": 1.0,
+                           "max_lr": 1.0e-3, "min_lr": 1.0e-6, "warmup_steps": 10, "gamma": 1.0})
+    for block in ("data", "validation_data"):
+        conf[block]["forecast_len"] = 1
+    variables = conf["data"]["source"]["ERA5"]["variables"]
+    keys = lambda *kinds: [f"ERA5/{kind}/{dim}/{name}" for kind in kinds  # noqa: E731
+                           for dim, group in (("3d", "vars_3D"), ("2d", "vars_2D"))
+                           for name in (variables.get(kind) or {}).get(group, [])]
+    scale = lambda method, chosen, **args: {"type": "bridgescaler_transform", "args": dict(  # noqa: E731
+        scaler_path=scaler, variables=chosen, method=method, **args)}
+    conf["preblocks"] = {"per_step": {"scaler": scale("transform", keys("prognostic", "dynamic_forcing"),
+                                                      scaler_params={"channels_last": False}),
+                                      "concat": {"type": "concat"}}}
+    outputs = keys("prognostic", "diagnostic")
+    conf["postblocks"] = {"per_step": {
+        "reconstruct": {"type": "reconstruct"}, "scaler": scale("inverse_transform", outputs),
+        "reconstruct_target": {"type": "reconstruct", "args": {"in_key": "y", "out_key": "y_target_processed"}},
+        "scaler_target": scale("inverse_transform", outputs, key="y_target_processed")}}
+    conf["loss"] = {"training_loss": "KCRPS", "validation_loss": "mse", "use_power_loss": False,
+                    "use_spectral_loss": False, "use_latitude_weights": False,
+                    "latitude_weights": variables["static"]["path"], "use_variable_weights": False}
+    conf["model"].update(attn_dropout=0.1, ff_dropout=0.0, interp=True)
+    return conf
+
+
+@pytest.fixture(scope="session")
+def credit_reference_ensemble(credit_data):
+    """CREDIT's ``credit train`` of :func:`ensemble_conf` (rank 0, once per session)."""
+    from mpidomain.credit.reference import run_credit_train
+
+    if "ensemble" in _ONCE:
+        return _ONCE["ensemble"]
+    folder = credit_data[0]
+    conf = ensemble_conf(credit_data, os.path.join(folder, "credit-ensemble"))
+    result = None
+    if WORLD.rank == 0:
+        try:
+            result = cached("credit-ensemble", conf, lambda: run_credit_train(
+                conf, os.path.join(folder, "credit-ensemble-files"), timeout=600), keep=succeeded)
+        except Exception as exc:  # noqa: BLE001 - shared below, raised on every rank
+            result = {"returncode": -1, "output": f"{type(exc).__name__}: {exc}", "steps": []}
+        result["save_loc"] = conf["save_loc"]
+    result = share(WORLD, result)
+    if result["returncode"] != 0 or not result["steps"]:
+        pytest.fail(f"CREDIT's credit train failed (status {result['returncode']}):\n{result['output'][-3000:]}")
+    _ONCE["ensemble"] = result
+    return result
+
+
 def succeeded(result):
     """True for a reference run that ended well and recorded steps."""
     return result["returncode"] == 0 and bool(result["steps"])

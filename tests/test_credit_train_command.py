@@ -13,7 +13,7 @@ import re
 import pytest
 import yaml
 
-from credit_train_support import WORLD, credit_data, credit_reference, step_losses  # noqa: F401
+from credit_train_support import WORLD, credit_data, credit_reference, fresh, step_losses  # noqa: F401
 from mpitest import program_lines, run_mpi, run_python, share
 
 pytestmark = [pytest.mark.mpi_job, pytest.mark.credit]
@@ -67,7 +67,7 @@ def test_refused_key_and_bad_data_are_one_line_and_exit_2(credit_data):
 @pytest.mark.timeout(1500)
 def test_a_signal_on_one_rank_stops_every_rank_and_resume_auto_finishes(credit_data, credit_reference):
     folder, conf = credit_data
-    save_loc = os.path.join(folder, "signalled")
+    save_loc = fresh(os.path.join(folder, "signalled"))  # the data's folder outlives a run (MPIDOMAIN_TEST_CACHE)
     path = _config(folder, "signalled.yml", dict(conf, save_loc=save_loc))
     program = (
         "import os, signal, sys; from mpi4py import MPI; import mpidomain.credit.trainer as t; "

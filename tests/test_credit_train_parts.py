@@ -67,7 +67,10 @@ def test_config_refuses_what_it_does_not_honour_naming_key_and_value():
     (lambda c: c["preblocks"]["per_step"].update(log={"type": "log_transform"}),
      "preblocks.per_step.log.type = 'log_transform'"),
     (lambda c: c["loss"].update(type="spectral"), "loss.type = 'spectral'"),
-    (lambda c: c["trainer"].update(ensemble_size=4), "trainer.ensemble_size = 4"),
+    (lambda c: c["trainer"].update(ensemble_size=0), "trainer.ensemble_size = 0"),
+    (lambda c: c["trainer"].update(ensemble_size=4), "data.forecast_len = 2: trainer.ensemble_size 4 trains one step"),
+    (lambda c: c.update(loss={"training_loss": "KCRPS"}), "loss.training_loss = 'KCRPS': an ensemble loss needs"),
+    (lambda c: c.update(loss={"training_loss": "ring-crps"}), "loss.training_loss = 'ring-crps': ensemble losses"),
     (lambda c: c["trainer"].pop("amp"), "trainer.amp = None"),
 ])
 def test_config_refusal_names_the_key(change, expected):
@@ -273,6 +276,62 @@ def test_loss_and_metrics_from_tiles_equal_credits_on_the_whole_field(credit_dat
         assert list(metrics) == list(expected)
         for name, value in expected.items():
             assert abs(metrics[name] - value) <= 1e-5 * max(abs(value), 1e-3), name
+    finally:
+        manager.close()
+
+
+FLAT_LOSSES = {  # name: (loss block, batch, members)
+    "mse with spectral and power terms": ({"training_loss": "mse", "use_latitude_weights": True,
+                                           "use_variable_weights": False, "use_spectral_loss": True,
+                                           "use_power_loss": True, "spectral_lambda_reg": 0.1,
+                                           "spectral_wavenum_init": 3}, 2, 1),
+    "KCRPS": ({"training_loss": "KCRPS", "use_latitude_weights": False, "use_variable_weights": False}, 2, 2),
+    "almost-fair-crps, latitude weights and a spectral term": (
+        {"training_loss": "almost-fair-crps", "use_latitude_weights": True, "use_variable_weights": False,
+         "use_spectral_loss": True, "spectral_lambda_reg": 0.5, "spectral_wavenum_init": 0}, 1, 3),
+}
+
+
+@pytest.mark.credit
+@pytest.mark.parametrize("domain", ["slabs", "tiles"])
+@pytest.mark.parametrize("name", list(FLAT_LOSSES))
+def test_flat_losses_from_tiles_equal_credits_on_the_whole_field(credit_data, domain, name):
+    """The flat form's VariableTotalLoss2D with its spectral and power terms (whole rows: on tiles through a move
+    within each band) and the ensemble CRPS losses (members along the batch axis), loss and gradients, against
+    CREDIT's criterion on the whole field in one process."""
+    from credit.losses import load_loss
+
+    from mpidomain.credit.loss import TileLoss
+    from mpidomain.credit.model import training_conf
+    from mpidomain.credit.output import tile_extent
+
+    if domain == "tiles" and WORLD.size != 4:
+        pytest.skip("2 x 2 tiles on 4 ranks")
+    layout = (2, 2) if domain == "tiles" else (WORLD.size,)
+    folder, conf = credit_data
+    block, batch, members = FLAT_LOSSES[name]
+    conf = dict(conf, loss=dict(block, latitude_weights=conf["loss"]["args"]["latitude_weights"]),
+                trainer=dict(conf["trainer"], ensemble_size=members))
+    conf, _ = training_conf(conf)
+    channels = len(load_loss(conf).vars) if block["use_latitude_weights"] else 9
+    generator = torch.Generator().manual_seed(5)
+    full_target = torch.randn((batch, channels, 48, 64), generator=generator)
+    full_pred = (torch.repeat_interleave(full_target, members, 0)
+                 + 0.3 * torch.randn((batch * members, channels, 48, 64), generator=generator))
+    manager = _manager(layout)
+    try:
+        rows, columns = ((r.start, r.stop) for r in tile_extent(manager, (48, 64)))
+        cut = lambda t: t[..., rows[0]:rows[1], columns[0]:columns[1]].clone()  # noqa: E731
+        pred = cut(full_pred).requires_grad_()
+        loss = TileLoss(conf, manager, rows, 48)({"y": cut(full_target), "y_pred": pred})
+        loss.backward()
+        whole = full_pred.clone().requires_grad_()
+        reference = load_loss(conf)(full_target, whole).mean()
+        reference.backward()
+        verdict = abs(loss.item() - reference.item()) <= 1e-5 * abs(reference.item())
+        expected = cut(whole.grad)
+        verdict = verdict and torch.allclose(pred.grad, expected, rtol=1e-4, atol=1e-5 * expected.abs().max())
+        assert all(WORLD.allgather(bool(verdict))), f"{loss.item()} vs CREDIT's {reference.item()}"
     finally:
         manager.close()
 

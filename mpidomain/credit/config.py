@@ -23,6 +23,9 @@ PREBLOCK_TYPES = ("era5_normalizer", "bridgescaler_transform", "concat", "to_dev
 POSTBLOCK_TYPES = ("reconstruct", "bridgescaler_transform")
 METRIC_TYPES = ("rmse", "mse", "mae", "bias", "r2score")
 LOSS_BASE_WEIGHTINGS = ("inverse_variance", "manual", "none", "learnable")
+# CREDIT's ensemble losses that score the members along the batch axis (trainer.ensemble_size > 1): pointwise
+# in space, so each rank scores its tile. ring-crps (one member per data-parallel rank) is not among them.
+ENSEMBLE_LOSSES = ("KCRPS", "almost-fair-crps")
 _STRFTIME = re.compile(r"%[YmdHMSj]")
 
 
@@ -108,6 +111,7 @@ class TrainSettings:
     save_best_weights: bool
     save_every_epoch: bool
     stopping_patience: int
+    ensemble_size: int  # members per sample along the batch axis (1: none)
     stop_after_epoch: bool
     train_one_epoch: bool
     training_metric: str
@@ -376,7 +380,7 @@ def _block_types(reader, where, blocks, allowed):
                     reader.refuse(f"{where}.{name}.args.{key}", args.get(key), "required: the statistics file")
 
 
-def _loss(reader, conf, forecast_len):
+def _loss(reader, conf, forecast_len, ensemble_size):
     loss = conf.get("loss")
     if not isinstance(loss, dict):
         reader.refuse("loss", loss, "expected {type: base, args: {...}} or the flat training_loss form")
@@ -393,7 +397,9 @@ def _loss(reader, conf, forecast_len):
             reader.refuse("loss.args.var_weighting", args["var_weighting"], f"one of {', '.join(LOSS_BASE_WEIGHTINGS)}")
         for key in ("training_loss", "validation_loss"):
             if "crps" in str(args.get(key, "")).lower():
-                reader.refuse(f"loss.args.{key}", args[key], "ensemble losses are not trained by mpidomain")
+                reader.refuse(f"loss.args.{key}", args[key], "CREDIT's BaseLoss scores ensembles only by ring-crps, "
+                              f"which mpidomain does not train; use the flat form (loss: {{training_loss: "
+                              f"{' or '.join(ENSEMBLE_LOSSES)}}}) with trainer.ensemble_size > 1")
         if "y_processed" not in reconstructs:
             reader.refuse("postblocks.per_step", list(post), "loss type base needs a reconstruct postblock")
         elif (reconstructs["y_processed"].get("args") or {}).get("detach", True):
@@ -410,11 +416,28 @@ def _loss(reader, conf, forecast_len):
         name = loss.get("training_loss")
         if not isinstance(name, str):
             reader.refuse("loss.training_loss", name, "required in the flat form (e.g. mse)")
-        elif "crps" in name.lower():
-            reader.refuse("loss.training_loss", name, "ensemble losses are not trained by mpidomain")
+        for key in ("training_loss", "validation_loss"):
+            value = loss.get(key)
+            if isinstance(value, str) and "crps" in value.lower():
+                if value not in ENSEMBLE_LOSSES:
+                    reader.refuse(f"loss.{key}", value, f"ensemble losses trained by mpidomain: "
+                                  f"{', '.join(ENSEMBLE_LOSSES)} (ring-crps puts one member on each data-parallel "
+                                  "rank; mpidomain keeps the members on the batch axis)")
+                elif ensemble_size < 2:
+                    reader.refuse(f"loss.{key}", value, "an ensemble loss needs trainer.ensemble_size > 1 "
+                                  f"(CREDIT refuses it too); got {ensemble_size}")
+        weighted = loss.get("use_latitude_weights") or loss.get("use_variable_weights")
         for key in ("use_spectral_loss", "use_power_loss"):
-            if loss.get(key):
-                reader.refuse(f"loss.{key}", loss[key], "spectral terms need the whole field's FFT; set false")
+            if not loss.get(key):
+                continue
+            if not weighted:
+                reader.refuse(f"loss.{key}", loss[key], "CREDIT adds the spectral and power terms only inside "
+                              "VariableTotalLoss2D and ignores them otherwise: set use_latitude_weights or "
+                              "use_variable_weights, or set it false")
+            for needed, kind in (("spectral_lambda_reg", float), ("spectral_wavenum_init", int)):
+                if not _is(loss.get(needed), kind):
+                    reader.refuse(f"loss.{needed}", loss.get(needed), f"required with {key} (CREDIT reads it): "
+                                  f"{'the weight of the term' if kind is float else 'the first wavenumber scored'}")
         if loss.get("use_latitude_weights") and not isinstance(loss.get("latitude_weights"), str):
             reader.refuse("loss.latitude_weights", loss.get("latitude_weights"), "required with use_latitude_weights")
     if forecast_len > 1 and "y_processed" not in reconstructs:
@@ -469,8 +492,6 @@ def _trainer(reader, trainer, world_size, domain_override):
     elif world_size // size > 1 and data_mode == "none":
         reader.refuse("trainer.parallelism.data", data_mode, f"{world_size // size} data-parallel groups would train "
                       f"{world_size // size} different models (CREDIT warns and lets them drift); set data: ddp")
-    if trainer.get("ensemble_size", 1) != 1:
-        reader.refuse("trainer.ensemble_size", trainer.get("ensemble_size"), "ensembles are not trained; use 1")
     for key in ("learning_rate", "weight_decay", "train_batch_size"):
         if key not in trainer:
             reader.refuse(f"trainer.{key}", None, "required (CREDIT reads it too)")
@@ -485,6 +506,21 @@ def _trainer(reader, trainer, world_size, domain_override):
         reader.refuse("trainer.scheduler.scheduler_type", scheduler.get("scheduler_type"),
                       "use_scheduler needs a scheduler (e.g. linear-warmup-cosine), or set use_scheduler: false")
     return domain, data_mode, max_norm, use_scheduler, scheduler.get("scheduler_type", "")
+
+
+def _ensemble_size(reader, trainer, forecast_len, valid_forecast_len):
+    """``trainer.ensemble_size``, checked: an integer >= 1; more than 1 only with forecast_len 1."""
+    size = trainer.get("ensemble_size", 1)
+    if not _is(size, int) or size < 1:
+        reader.refuse("trainer.ensemble_size", size, "expected an integer >= 1 (members per sample)")
+        return 1
+    if size > 1:
+        for where, steps in (("data.forecast_len", forecast_len), ("validation_data.forecast_len", valid_forecast_len)):
+            if steps > 1:
+                reader.refuse(where, steps, f"trainer.ensemble_size {size} trains one step: CREDIT 2026.2.0 feeds "
+                              f"the {size} members' prediction back beside one sample's forcing, which it cannot "
+                              "join; use forecast_len: 1")
+    return size
 
 
 def read_data(block, where="data", model_levels=None):
@@ -543,7 +579,8 @@ def read_settings(conf, world_size, domain=None):
     valid = _data(reader, valid_block, "validation_data", model.get("levels")) if not reader.problems else None
     _blocks(reader, conf)
     forecast_len = data.forecast_len if data else 1
-    _loss(reader, conf, forecast_len)
+    ensemble_size = _ensemble_size(reader, trainer, forecast_len, valid.forecast_len if valid else forecast_len)
+    _loss(reader, conf, forecast_len, ensemble_size)
     _metrics(reader, conf)
     domain, data_mode, max_norm, use_scheduler, scheduler_type = _trainer(reader, trainer, world_size, domain)
     bpt = trainer.get("backprop_on_timestep") or (conf.get("data") or {}).get("backprop_on_timestep")
@@ -567,7 +604,7 @@ def read_settings(conf, world_size, domain=None):
         save_backup_weights=g("save_backup_weights", True, bool), save_best_weights=g("save_best_weights", True, bool),
         save_every_epoch=g("save_every_epoch", False, bool), stopping_patience=g("stopping_patience", 100, int),
         stop_after_epoch=g("stop_after_epoch", False, bool), train_one_epoch=g("train_one_epoch", False, bool),
-        use_tensorboard=g("use_tensorboard", False, bool),
+        use_tensorboard=g("use_tensorboard", False, bool), ensemble_size=ensemble_size,
     )
     skip = values["skip_validation"]
     metric = g("training_metric", "train_loss" if skip else "valid_loss", str)

@@ -36,7 +36,8 @@ def sample_bytes(settings, shape, domain):
     inputs, targets, forcing, _ = _channels(settings)
     history, steps, batch = settings.data.history_len, settings.data.forecast_len, settings.batch
     read_channels = inputs * history + targets + (steps - 1) * (forcing + targets)
-    held_channels = inputs * history + 2 * targets
+    members = settings.ensemble_size  # the model's input and prediction hold every member
+    held_channels = inputs * history * members + targets * (1 + members)
     cell, whole = rows * columns * 4 * batch, shape[0] * shape[1] * 4 * batch
     return read_channels * cell, held_channels * cell, read_channels * whole, held_channels * whole
 
@@ -56,7 +57,7 @@ def estimate_lines(settings, rng="tile"):
     model = build_model(settings.conf, None, torch.device("cpu"))
     inputs, _, _, _ = _channels(settings)
     layout = settings.domain if len(settings.domain) == 2 else settings.domain[0]
-    input_shape = (settings.batch, inputs, settings.data.history_len) + shape
+    input_shape = (settings.batch * settings.ensemble_size, inputs, settings.data.history_len) + shape
     activations = estimate_memory(model, input_shape, layout)
     draws = estimate_draws(model, input_shape)
     parameters = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -75,7 +76,9 @@ def estimate_lines(settings, rng="tile"):
             f"one-process: {mib(draws.total_bytes)}, the largest {mib(draws.largest_bytes)} at once)")]
     return [
         f"estimate for D={name} ({'tiles' if len(settings.domain) == 2 else 'latitude slabs'}) on {shape[0]} x "
-        f"{shape[1]}, batch {settings.batch} per group, forecast_len {settings.data.forecast_len}, "
+        f"{shape[1]}, batch {settings.batch} per group"
+        f"{f' x {settings.ensemble_size} members' if settings.ensemble_size > 1 else ''}, forecast_len "
+        f"{settings.data.forecast_len}, "
         f"{settings.conf['model'].get('type')} model of {parameters / 2**20:.1f} MiB:",
         f"  activations saved for backward (one rollout step): {mib(activations.bytes_per_rank)} on the largest "
         f"rank ({activations.ratio:.3f} of one process's {mib(activations.one_process_bytes)})",

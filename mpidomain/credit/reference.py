@@ -268,6 +268,25 @@ def _patch_credit(record):
         return loss
 
     VariableTotalLoss2D.forward = recording_flat
+    import credit.losses
+
+    original_load = credit.losses.load_loss
+
+    class Recording(torch.nn.Module):  # a plain registry loss (KCRPS, mse): the trainer takes the mean of it
+        def __init__(self, criterion):
+            super().__init__()
+            self.criterion = criterion
+
+        def forward(self, target, pred):
+            loss = self.criterion(target, pred)
+            (record["train"] if torch.is_grad_enabled() else record["valid"]).append(float(loss.detach().mean()))
+            return loss
+
+    def recording_load(*args, **kwargs):
+        criterion = original_load(*args, **kwargs)
+        return criterion if isinstance(criterion, (BaseLoss, VariableTotalLoss2D)) else Recording(criterion)
+
+    credit.losses.load_loss = recording_load
 
 
 def _main(argv):

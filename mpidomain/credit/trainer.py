@@ -183,6 +183,10 @@ class _Run:
             settings.conf, self.manager, self.rows, self.train_plan.shape[0], validation=True))
         self.metrics = agreed(world, "credit train: the metrics", lambda: TileMetrics(settings.conf, self.manager,
                                                                                      self.rows))
+        from credit.losses import effective_loss_name, is_crps_loss
+
+        # CREDIT's is_crps_ensemble: logs the members' error spread (train_std)
+        self.crps_ensemble = settings.ensemble_size > 1 and is_crps_loss(effective_loss_name(settings.conf["loss"]))
         self._optimizer()
         if self.rank == 0:
             self._write_run_files()
@@ -364,6 +368,25 @@ class _Run:
             rollout["history"] = x
         return x, y
 
+    def _members(self, x):
+        """``x`` with each sample repeated ``trainer.ensemble_size`` times along the batch axis (CREDIT's
+        ``repeat_interleave``); the members differ by their random draws only."""
+        size = self.settings.ensemble_size
+        return torch.repeat_interleave(x, size, 0) if size > 1 else x
+
+    def _member_error_std(self, state):
+        """CREDIT's ``train_std``: the standard deviation (unbiased) of every member's error over the whole field
+        and batch. Collective over the domain group: two all-reduces of float64 partial sums."""
+        pred, target = state["y_pred"].detach(), state["y"].detach()
+        if pred.shape[0] == target.shape[0] * self.settings.ensemble_size:
+            target = torch.repeat_interleave(target, self.settings.ensemble_size, 0)
+        error = (pred - target.to(pred.dtype)).double()
+        comm = library_comm(self.manager, "domain")
+        count, total = reduce_array(np.array([error.numel(), float(error.sum())]), "sum", comm)
+        mean = total / count
+        squares = reduce_array(np.array([float(((error - mean) ** 2).sum())]), "sum", comm)[0]
+        return float(np.sqrt(squares / max(count - 1, 1)))
+
     def _to_device(self, tensors):
         return {k: v.to(self.device, non_blocking=True) for k, v in tensors.items()}
 
@@ -390,7 +413,7 @@ class _Run:
                 problem = message
                 break
             x, y = self._step_input(t, batch, rollout, settings.data.history_len)
-            state = self._forward(x, y)
+            state = self._forward(self._members(x), y)
             if t in settings.backprop_on_timestep:
                 with self.autocast():
                     loss = self.loss(state)
@@ -399,6 +422,8 @@ class _Run:
                 per_step[t] = value
                 for key, var_loss in self.loss.last_var_losses.items():
                     logs[f"loss_var/{key}"] += var_loss
+                if self.crps_ensemble:
+                    logs["std"] += self._member_error_std(state)
                 self.scaler.scale(loss / settings.grad_accum_every).backward()
             # detached for the next step's input only, after this step's loss and backward (CREDIT's intent)
             rollout["prediction"] = {k: v.detach() for k, v in state["y_processed"].items()}
@@ -487,6 +512,8 @@ class _Run:
                     results[f"train_{key}"].append(averaged[key])
             results["train_forecast_len"].append(self.forecast_len)
             results["train_history_len"].append(settings.data.history_len)
+            if "std" in averaged:
+                results["train_std"].append(averaged["std"])
             if settings.use_scheduler and settings.scheduler_type in update_on_batch:
                 self.scheduler.step()
             self.step += 1
@@ -531,7 +558,7 @@ class _Run:
                 for t in range(1, valid.forecast_len + 1):
                     batch = next(stream)
                     x, y = self._step_input(t, batch, rollout, valid.history_len)
-                    state = self._forward(x, y)
+                    state = self._forward(self._members(x), y)
                     rollout["prediction"] = state["y_processed"]
                     if t == valid.forecast_len:
                         loss = self.valid_loss(state)
@@ -680,8 +707,11 @@ def train(settings, options, manager, say=print):
         epochs = start_epoch + 1
     limit = min(epochs, start_epoch + settings.num_epoch)
     dataset = CreditTileDataset(run.train_plan)
-    loader, sampler = _loader(dataset, settings.batch, run.forecast_len, settings, manager.data_parallel_size,
-                              manager.dp_rank, True, settings.thread_workers)
+    # An ensemble (CREDIT's ensemble mode) gives every data-parallel group the same batches: the groups' draws
+    # (seeded seed + group) make more members.
+    replicas, replica = (1, 0) if run.crps_ensemble else (manager.data_parallel_size, manager.dp_rank)
+    loader, sampler = _loader(dataset, settings.batch, run.forecast_len, settings, replicas, replica, True,
+                              settings.thread_workers)
     files = EpochFiles(run.world, settings.save_loc)
     writer = _tensorboard(run)
     steps_log = []
