@@ -1,9 +1,9 @@
-"""``python -m mpidomain forecast`` in fresh 4-rank jobs: faults on one rank, kills, the stop signal, missing
-packages, full or read-only output folders, and every option with a bad value.
+"""``python -m mpidomain forecast`` in fresh jobs: faults on one rank, kills, the stop signal, missing packages, full
+or read-only output folders, and every option with a bad value.
 
-Each job has a fixed size (4 ranks), so these run once in CI (``mpi_job`` implies ``one_world``). A fault is injected by
-``tests/fault_driver.py`` on one rank at one stage; every rank must end within :data:`ENDS_WITHIN` seconds of it
-(the library's own wait timeout is 600 s), and the rerun with ``--resume auto`` must end as the uninterrupted run
+Each job has a fixed size (4 ranks; 2 for the failures, kills and signals), so these run once in CI (``mpi_job``
+implies ``one_world``). A fault is injected by ``tests/fault_driver.py`` on one rank at one stage; every rank must
+end within :data:`ENDS_WITHIN` seconds of it (the library's own wait timeout is 600 s), and the rerun with ``--resume auto`` must end as the uninterrupted run
 did: the same losses, and a forecast store equal array for array.
 """
 
@@ -27,6 +27,9 @@ pytest.importorskip("zarr")
 
 pytestmark = pytest.mark.mpi_job
 
+# The kill and signal jobs and their reference: two ranks show "every rank ends" and "every rank stops after the
+# same step" as four do, at half the cost
+KILLS_RANKS = 2
 ENDS_WITHIN = 20.0  # seconds from the fault until every rank has ended (3 s for a failure alone, then MPI_Abort)
 SMALL = ["--model", "cnn", "--grid", "16x32", "--times", "12", "--steps", "6", "--rollout", "3", "--checkpoint-every",
          "2"]
@@ -75,13 +78,14 @@ def tmp_path(tmp_path, world):
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """The uninterrupted run's losses and forecast store (computed on rank 0)."""
+    """The uninterrupted run's losses and forecast store at 2 ranks, as the kill and signal jobs run (computed on
+    rank 0)."""
     from mpi4py import MPI
 
     world, result = MPI.COMM_WORLD, None
     if world.rank == 0:
         out = tmp_path_factory.mktemp("reference")
-        status, _, stderr, *_ = forecast(out)
+        status, _, stderr, *_ = forecast(out, ranks=KILLS_RANKS)
         result = outcome(str(out)) if status == 0 else stderr[-3000:]
     result = share(world, result)
     assert isinstance(result, tuple), result
@@ -121,14 +125,14 @@ def test_a_failure_on_one_rank_ends_every_rank_at_once(world, tmp_path, stage, r
     assert ended - faulted < ENDS_WITHIN, f"ended {ended - faulted:.1f} s after the fault"
 
 
-@pytest.mark.parametrize("fault", ["kill:step:2:4", "kill:checkpoint:0:2", "kill:write:1:2"],
+@pytest.mark.parametrize("fault", ["kill:step:1:4", "kill:checkpoint:0:2", "kill:write:1:2"],
                          ids=["in-training", "writing-a-checkpoint", "writing-a-forecast-step"])
 def test_a_killed_rank_ends_the_job_and_resume_auto_completes_it(world, tmp_path, reference, fault):
     result = None
     if world.rank == 0:
-        killed = forecast(tmp_path / "run", fault=fault)
+        killed = forecast(tmp_path / "run", fault=fault, ranks=KILLS_RANKS)
         partial = sorted(os.listdir(tmp_path / "run"))
-        rerun = forecast(tmp_path / "run", "--resume", "auto")
+        rerun = forecast(tmp_path / "run", "--resume", "auto", ranks=KILLS_RANKS)
         result = killed, partial, rerun, outcome(str(tmp_path / "run")) if rerun[0] == 0 else None
     (status, _, stderr, _, faulted, ended), partial, rerun, got = share(world, result)
     assert faulted is not None and status != 0, stderr[-3000:]
@@ -142,9 +146,9 @@ def test_a_killed_rank_ends_the_job_and_resume_auto_completes_it(world, tmp_path
 
 
 @pytest.mark.parametrize("fault, line, files", [
-    ("signal:setup:2", r"stopped by SIGUSR1 on rank 2 before training: nothing trained, nothing saved",
+    ("signal:setup:1", r"stopped by SIGUSR1 on rank 1 before training: nothing trained, nothing saved",
      ["era5-synthetic.zarr"]),
-    ("signal:step:2:3", r"stopped by SIGUSR1 on rank 2 after step 3: checkpoint \S+checkpoint-000003.pt; continue with "
+    ("signal:step:1:3", r"stopped by SIGUSR1 on rank 1 after step 3: checkpoint \S+checkpoint-000003.pt; continue with "
                         r"the same command and --resume auto \(--out \S+\)", ["checkpoint-000002.pt", "checkpoint-000003.pt",
                                                                  "checkpoint.pt", "era5-synthetic.zarr"]),
     ("signal:forecast:1:1", r"stopped by SIGUSR1 on rank 1 during the forecast, after lead 1: \S+forecast.zarr holds 1 "
@@ -155,9 +159,9 @@ def test_a_killed_rank_ends_the_job_and_resume_auto_completes_it(world, tmp_path
 def test_a_signal_on_one_rank_stops_cleanly_and_the_run_resumes(world, tmp_path, reference, fault, line, files):
     result = None
     if world.rank == 0:
-        stopped = forecast(tmp_path / "run", fault=fault)
+        stopped = forecast(tmp_path / "run", fault=fault, ranks=KILLS_RANKS)
         left = sorted(os.listdir(tmp_path / "run"))
-        rerun = forecast(tmp_path / "run", "--resume", "auto")
+        rerun = forecast(tmp_path / "run", "--resume", "auto", ranks=KILLS_RANKS)
         result = stopped, left, rerun, outcome(str(tmp_path / "run")) if rerun[0] == 0 else None
     (status, stdout, stderr, *_), left, rerun, got = share(world, result)
     assert status == 0, stderr[-3000:]

@@ -156,3 +156,28 @@ def test_only_the_command_line_imports_the_credit_integration():
     importers = sorted(m for m, edges in graph.items() if not (m + ".").startswith("mpidomain.credit.")
                        and any(t == "mpidomain.credit" or t.startswith("mpidomain.credit.") for t in edges))
     assert importers == ["mpidomain.__main__"], importers
+
+
+def test_importing_the_layers_leaves_dynamo_unloaded_and_marks_it_when_it_loads():
+    """``import mpidomain.nn`` does not load Dynamo (1.5 s of CPU per process); once anything loads it, every
+    function carries the mark ``torch.compile`` reads: a constant result, compiling disabled, a substitute."""
+    import subprocess
+    import sys
+
+    program = """
+import sys
+import mpidomain.nn
+from mpidomain.nn import dropout, ops, plans, rng
+from mpidomain.halo.call import halo_exchange
+from mpidomain.reduce import allreduce
+assert "torch._dynamo" not in sys.modules, "importing mpidomain.nn loaded Dynamo"
+import torch._dynamo
+from torch._dynamo.trace_rules import _polyfilled_function_ids
+assert ops.handle._dynamo_marked_constant and plans._planned._dynamo_marked_constant
+for fn in (ops.raise_on_every_rank, rng.tile_dropout, dropout._tile_rrelu):
+    assert getattr(fn.__closure__[0].cell_contents[0], "_torchdynamo_disable", False), fn
+assert id(halo_exchange) in _polyfilled_function_ids and id(allreduce) in _polyfilled_function_ids
+print("marked")
+"""
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "marked", done.stderr[-2000:]

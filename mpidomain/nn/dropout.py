@@ -3,6 +3,7 @@
 
 import torch
 
+from ._compile_marks import compile_disabled
 from ._shard import Wrapper
 from .rng import check_rng, dropout_draw, field_slices, tile_dropout, tile_generator
 
@@ -83,7 +84,7 @@ class DomainParallelRReLU(Wrapper):
         return _tile_rrelu(x, self.module.lower, self.module.upper, self._manager())
 
 
-@torch.compiler.disable
+@compile_disabled
 def _tile_rrelu(x, lower, upper, manager):
     return torch.ops.aten.rrelu_with_noise(x, torch.empty_like(x), lower, upper, True,
                                            tile_generator(manager, x.device))

@@ -30,6 +30,7 @@ from .._waits import allgather_ints
 from ..manager import library_comm
 from ..layout.moves import RowMove, contiguous_layout
 from ..layout.tiles import balanced_split
+from ._compile_marks import constant_result
 from ._shard import place
 from .halo import HaloExchange
 from .interpolate import DomainParallelInterpolate
@@ -109,7 +110,7 @@ def padded_extents(total, parts, align, prefer=()):
     return aligned_extents(total, parts, align), align
 
 
-@torch.compiler.assume_constant_result
+@constant_result
 def _row_move(source, target):
     """The :class:`RowMove` from contiguous blocks of ``source`` rows to blocks of ``target``, as its
     :func:`mpidomain.nn.ops.move_handle` (a graph constant)."""

@@ -13,6 +13,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from ._compile_marks import constant_result
 from . import rows
 from .precision import float32_work, work_dtype
 from ._shard import fetch_rows, layer_extents, require_covered, shard_dims, spatial_axis
@@ -60,7 +61,7 @@ def _taps(n, size, scale, mode, align_corners, recompute, dtype):
     return indices, weights, matrix.shape[0]
 
 
-@torch.compiler.assume_constant_result
+@constant_result
 def _resampling(extents, size, scale, mode, align_corners, recompute, dtype):
     """Return (indices, weights, every shard's window, the halo) along one dim of ``extents``: :func:`_taps`
     and :func:`_windows`, a constant of a compiled graph (Dynamo calls it at trace time). Local."""

@@ -36,6 +36,7 @@ from ..manager import sharded_dims
 from ..reduce import allreduce as _eager_allreduce
 from ..reduce import checked_reduce, reduce_array
 from ..redistribution import redistribute as _redistribute
+from ._compile_marks import compile_disabled, constant_result, substitute
 
 __all__ = ["allreduce", "compiling", "halo_exchange", "handle", "move_handle", "moves_of", "raise_on_every_rank",
            "redistribute", "register", "sum_partials"]
@@ -68,7 +69,7 @@ def _forget(manager):
     _MANAGERS.pop(number, None)
 
 
-@torch.compiler.assume_constant_result
+@constant_result
 def handle(manager):
     """Return the integer that names ``manager`` in a compiled graph (a constant of the graph). Local."""
     return register(manager)
@@ -247,7 +248,7 @@ def _normalised(values, count):
     return list(values) if isinstance(values, (tuple, list)) else [values] * count
 
 
-@torch.compiler.substitute_in_graph(_eager_halo_exchange)
+@substitute(_eager_halo_exchange)
 def halo_exchange(x, halo_width, dim=None, *, periodic=False, boundary=None, manager=None, out=None):
     """:func:`mpidomain.halo_exchange` as Dynamo traces it: the ``mpidomain::halo_pad`` operator.
 
@@ -271,7 +272,7 @@ def halo_exchange(x, halo_width, dim=None, *, periodic=False, boundary=None, man
 _GROUPS = {"domain": "domain", "tensor_parallel": "tp", "data_parallel": "data"}
 
 
-@torch.compiler.substitute_in_graph(_eager_allreduce)
+@substitute(_eager_allreduce)
 def allreduce(x, op="sum", group="domain", manager=None):
     """:func:`mpidomain.allreduce` as Dynamo traces it: the ``mpidomain::allreduce`` operator.
 
@@ -332,7 +333,7 @@ def moves_of(number):
     return _MOVES[number]
 
 
-@torch.compiler.disable
+@compile_disabled
 def raise_on_every_rank(comm, call, error):
     """Raise this rank's ``error`` on every rank of ``comm``: the agreement step of ``call`` with it.
 

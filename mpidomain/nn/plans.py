@@ -17,6 +17,7 @@ another global layout's (an earlier call on another field size) and baked in sil
 
 import torch
 
+from ._compile_marks import constant_result
 from .ops import compiling
 
 __all__ = ["planned", "register_gather"]
@@ -40,6 +41,6 @@ def planned(manager, call, key):
     return _planned(manager, call, key)
 
 
-@torch.compiler.assume_constant_result
+@constant_result
 def _planned(manager, call, key):
     return _GATHERS[call](manager, key)

@@ -27,6 +27,7 @@ import torch
 from .._validate import RNG_MODES, check_rng
 from .._waits import allgather_ints
 from ..manager import library_comm, sharded_dims
+from ._compile_marks import compile_disabled
 from . import plans
 from ._shard import layer_extents
 
@@ -50,7 +51,7 @@ def tile_generator(manager, device):
     return generator
 
 
-@torch.compiler.disable
+@compile_disabled
 def tile_dropout(x, p, alpha, inplace, manager):
     """Return ``x`` dropped out with a mask of its own shape from this rank's stream (:func:`tile_generator`).
 

@@ -23,6 +23,7 @@ import torch
 from .._validate import is_int
 from ..manager import library_comm, sharded_dims
 from ..layout.moves import WINDOW_KINDS, window_move, window_numbers
+from ._compile_marks import constant_result
 from ._shard import Wrapper, layer_extents, place, shard_dims
 from . import ops
 from .redistribution import inverse_move, redistribute_rows
@@ -61,7 +62,7 @@ def window_attention_spec(module):
     return WindowAttentionSpec(kind, int(window))
 
 
-@torch.compiler.assume_constant_result
+@constant_result
 def _window_moves(kind, window, along):
     """Return (((dim, move, its inverse), ...), None), or ((), the error's message): the moves (as
     :func:`mpidomain.nn.ops.move_handle` numbers) that give every
