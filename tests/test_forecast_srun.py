@@ -14,7 +14,7 @@ import threading
 import pytest
 
 from mpitest import REPO, launcher_env, needs_pmi2, needs_slurm, share
-from test_forecast_jobs import ENDS_WITHIN, forecast, outcome, reference, same  # noqa: F401 - the fixture
+from test_forecast_jobs import ENDS_WITHIN, KILLS_RANKS, forecast, outcome, reference, same  # noqa: F401 - the fixture
 
 pytestmark = [needs_slurm, needs_pmi2, pytest.mark.mpi_job]
 
@@ -68,8 +68,9 @@ def _signalled_when_training(out):
 def test_under_srun_a_kill_and_the_schedulers_signal(world, tmp_path, reference):
     result = None
     if world.rank == 0:
-        killed = forecast(tmp_path / "killed", fault="kill:step:1:4", launcher="srun")
-        rerun = forecast(tmp_path / "killed", "--resume", "auto", launcher="srun")
+        # as the kill jobs of test_forecast_jobs.py, whose reference this is: KILLS_RANKS ranks
+        killed = forecast(tmp_path / "killed", fault="kill:step:1:4", launcher="srun", ranks=KILLS_RANKS)
+        rerun = forecast(tmp_path / "killed", "--resume", "auto", launcher="srun", ranks=KILLS_RANKS)
         killed_outcome = outcome(str(tmp_path / "killed")) if rerun[0] == 0 else None
         result = killed, rerun, killed_outcome, _signalled_when_training(tmp_path / "signalled")
     killed, rerun, killed_outcome, signalled = share(world, result)
