@@ -137,23 +137,28 @@ def accumulating_conf(conf, save_loc):
 def credit_reference_accumulating(credit_data):
     """CREDIT's ``credit train`` with gradient accumulation over 2 steps, activation checkpointing, a numeric
     ``grad_max_norm`` and dropout in the model (rank 0, once per session)."""
+    if "accumulating" not in _ONCE:
+        folder, conf = credit_data
+        _ONCE["accumulating"] = _credit_run("credit-accumulating", accumulating_conf(
+            conf, os.path.join(folder, "credit-accumulating")), os.path.join(folder, "credit-accumulating-files"))
+    return _ONCE["accumulating"]
+
+
+def _credit_run(name, conf, files):
+    """CREDIT's own ``credit train`` of ``conf`` on rank 0 (cached under ``name``; its files in ``files``), shared
+    with every rank; a failed run fails the test on every rank."""
     from mpidomain.credit.reference import run_credit_train
 
-    if "accumulating" in _ONCE:
-        return _ONCE["accumulating"]
-    folder, conf = credit_data
-    conf = accumulating_conf(conf, os.path.join(folder, "credit-accumulating"))
     result = None
     if WORLD.rank == 0:
         try:
-            result = cached("credit-accumulating", conf, lambda: run_credit_train(
-                conf, os.path.join(folder, "credit-accumulating-files"), timeout=600), keep=succeeded)
+            result = cached(name, conf, lambda: run_credit_train(conf, files, timeout=600), keep=succeeded)
         except Exception as exc:  # noqa: BLE001 - shared below, raised on every rank
             result = {"returncode": -1, "output": f"{type(exc).__name__}: {exc}", "steps": []}
+        result["save_loc"] = conf["save_loc"]
     result = share(WORLD, result)
     if result["returncode"] != 0 or not result["steps"]:
         pytest.fail(f"CREDIT's credit train failed (status {result['returncode']}):\n{result['output'][-3000:]}")
-    _ONCE["accumulating"] = result
     return result
 
 
@@ -197,25 +202,11 @@ def ensemble_conf(credit_data, save_loc):
 @pytest.fixture(scope="session")
 def credit_reference_ensemble(credit_data):
     """CREDIT's ``credit train`` of :func:`ensemble_conf` (rank 0, once per session)."""
-    from mpidomain.credit.reference import run_credit_train
-
-    if "ensemble" in _ONCE:
-        return _ONCE["ensemble"]
-    folder = credit_data[0]
-    conf = ensemble_conf(credit_data, os.path.join(folder, "credit-ensemble"))
-    result = None
-    if WORLD.rank == 0:
-        try:
-            result = cached("credit-ensemble", conf, lambda: run_credit_train(
-                conf, os.path.join(folder, "credit-ensemble-files"), timeout=600), keep=succeeded)
-        except Exception as exc:  # noqa: BLE001 - shared below, raised on every rank
-            result = {"returncode": -1, "output": f"{type(exc).__name__}: {exc}", "steps": []}
-        result["save_loc"] = conf["save_loc"]
-    result = share(WORLD, result)
-    if result["returncode"] != 0 or not result["steps"]:
-        pytest.fail(f"CREDIT's credit train failed (status {result['returncode']}):\n{result['output'][-3000:]}")
-    _ONCE["ensemble"] = result
-    return result
+    if "ensemble" not in _ONCE:
+        folder = credit_data[0]
+        _ONCE["ensemble"] = _credit_run("credit-ensemble", ensemble_conf(credit_data, os.path.join(
+            folder, "credit-ensemble")), os.path.join(folder, "credit-ensemble-files"))
+    return _ONCE["ensemble"]
 
 
 def succeeded(result):
